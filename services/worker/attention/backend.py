@@ -1,0 +1,32 @@
+"""The attention backend interface every model layer calls.
+
+A backend owns two things for one layer call: writing this step's keys and values into the
+paged cache (at `meta.slot_mapping`), then causal attention of each new query token over its
+sequence's whole context (cached prefix + this step's tokens). The CPU reference lives in
+`reference.py`; Triton backends arrive with the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from llmfleet.services.worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """Write k/v into the cache, then attend. GQA: query head h reads KV head
+        h // (num_heads // num_kv_heads)."""
+        ...

@@ -1,0 +1,92 @@
+"""Turns a `SchedulerOutput` into one flattened forward pass and the logits to sample.
+
+The batch has no padding: the new tokens of every scheduled request laid end to end, with
+their positions and slots in the paged cache. Only the rows that reach their request's last
+token go through the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmfleet.services.worker.attention.metadata import AttentionMetadata
+from llmfleet.services.worker.engine.block_manager import BlockManager
+from llmfleet.services.worker.engine.scheduler import SchedulerOutput
+from llmfleet.services.worker.models.loader import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * block_size * info.num_kv_heads * info.head_dim * elem * info.num_layers
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # (num_sampling_rows, vocab) float32
+    sampling_rows: list[int]  # index into scheduled of each logits row
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: ModelInfo,
+        block_manager: BlockManager,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.bm = block_manager
+        self.device = device
+        bs = block_manager.block_size
+        shape = (2, block_manager.num_blocks, bs, info.num_kv_heads, info.head_dim)
+        # One cache tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim).
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            block_manager.num_blocks,
+            bs,
+            block_manager.num_blocks * kv_bytes_per_block(info, bs, dtype) / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_tokens: list[int] = []  # flat index of each sampled row's last token
+        sampling_rows: list[int] = []
+        for j, s in enumerate(sched.scheduled):
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(self.bm.block_ids(req.request_id))
+            if s.samples:
+                sample_tokens.append(len(input_ids) - 1)
+                sampling_rows.append(j)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.bm.block_size, device=self.device
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
+        if not sample_tokens:
+            return StepOutput(hidden.new_empty((0, self.info.vocab_size)), [])
+        if len(sample_tokens) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_tokens, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32
+        return StepOutput(logits, sampling_rows)

@@ -1,0 +1,126 @@
+"""Block manager: allocation, sharing, prefix cache, LRU eviction, free-count invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmfleet.services.worker.engine.block_manager import BlockManager, FreeBlockQueue, KVBlock
+from llmfleet.services.worker.engine.request import Request
+from llmfleet.services.worker.engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), frozenset(), BS)
+
+
+def compute_all(bm: BlockManager, r: Request) -> None:
+    """Admit r with its prefix hit, allocate the rest and mark it computed (no model)."""
+    hits = bm.get_computed_blocks(r)
+    assert bm.allocate_slots(r, r.num_tokens, hits)
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r)
+
+
+def test_free_queue_is_doubly_linked_and_o1():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert q.ids() == [0, 1, 3, 4] and len(q) == 4
+    assert q.popleft() is blocks[0]
+    q.appendleft(blocks[2])
+    q.append(blocks[0])
+    assert q.ids() == [2, 1, 3, 4, 0]
+    with pytest.raises(ValueError):
+        q.remove(KVBlock(99))
+
+
+def test_allocate_and_free_restore_free_count():
+    bm = BlockManager(10, BS)
+    r = req("a", list(range(10)))  # 3 blocks
+    assert bm.allocate_slots(r, 10)
+    assert bm.num_free_blocks == 7
+    assert bm.allocate_slots(r, 13)  # grows to 4 blocks
+    assert len(bm.block_ids("a")) == 4
+    bm.free(r)
+    bm.free(r)  # idempotent
+    assert bm.num_free_blocks == 10
+
+
+def test_allocation_fails_without_side_effects():
+    bm = BlockManager(3, BS)
+    r = req("a", list(range(20)))
+    assert not bm.allocate_slots(r, 20)
+    assert bm.num_free_blocks == 3 and bm.block_ids("a") == []
+
+
+def test_prefix_hit_shares_blocks_and_counts_tokens():
+    bm = BlockManager(16, BS)
+    a = req("a", list(range(13)))  # 3 full blocks + 1 token
+    compute_all(bm, a)
+    b = req("b", list(range(12)) + [777, 778])
+    hits = bm.get_computed_blocks(b)
+    assert len(hits) == 3  # 12 cached tokens
+    assert bm.allocate_slots(b, b.num_tokens, hits)
+    assert bm.block_ids("b")[:3] == bm.block_ids("a")[:3]
+    assert bm.block_ids("b")[3] != bm.block_ids("a")[3]
+    assert bm.stats.num_hits >= 12
+    shared = bm.blocks[bm.block_ids("a")[0]]
+    assert shared.ref_cnt == 2
+    free_before = bm.num_free_blocks
+    bm.free(a)
+    assert shared.ref_cnt == 1
+    assert bm.num_free_blocks == free_before + 1  # only a's private last block came back
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_full_hit_leaves_one_token_to_compute():
+    bm = BlockManager(8, BS)
+    a = req("a", list(range(8)))
+    compute_all(bm, a)
+    bm.free(a)
+    b = req("b", list(range(8)))
+    assert len(bm.get_computed_blocks(b)) == 1  # not 2: the last token must run for logits
+
+
+def test_freed_cached_blocks_are_revived_then_evicted_lru():
+    bm = BlockManager(4, BS)
+    a = req("a", list(range(8)))
+    compute_all(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    # Revive: a new request with the same prefix takes the cached blocks back.
+    b = req("b", list(range(8)) + [1])
+    hits = bm.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == bm.block_ids("a") or len(hits) == 2
+    assert bm.allocate_slots(b, 9, hits)
+    assert bm.num_free_blocks == 1
+    bm.free(b)
+    # A request needing every block evicts the cached content.
+    c = req("c", [500 + i for i in range(16)])
+    assert bm.allocate_slots(c, 16)
+    assert bm.cached == {}
+
+
+def test_eviction_takes_least_recently_freed_first():
+    bm = BlockManager(6, BS)
+    old = req("old", [1] * 4)
+    new = req("new", [2] * 4)
+    compute_all(bm, old)
+    compute_all(bm, new)
+    bm.free(old)
+    bm.free(new)
+    # Four uncached free blocks go first, then the older cached one.
+    filler = req("filler", list(range(100, 120)))  # 5 blocks
+    assert bm.allocate_slots(filler, 20)
+    assert len(bm.get_computed_blocks(req("q1", [1] * 4 + [9]))) == 0
+    assert len(bm.get_computed_blocks(req("q2", [2] * 4 + [9]))) == 1
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = req("a", list(range(8)))
+    compute_all(bm, a)
+    assert bm.cached == {} and bm.get_computed_blocks(req("b", list(range(9)))) == []
