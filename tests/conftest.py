@@ -7,9 +7,12 @@ deselected with a visible reason; run them on the GPU machine with `pytest -m gp
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import make_checkpoint as _make_checkpoint
 
 # Two cores on CI: one intra-op thread per test process keeps timings stable and avoids
 # oversubscription when the suite runs tests in parallel.
@@ -23,3 +26,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def make_checkpoint() -> Callable[..., Path]:
+    """`make_checkpoint(arch, tmp_path, *, max_shard_size=None, **config_overrides) -> Path`:
+    a tiny random-weight HF checkpoint (see tiny_models.py)."""
+    return _make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def make_checkpoint_module(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Module-scoped variant: `make_checkpoint_module(arch, **config_overrides) -> Path`."""
+
+    def make(arch: str, **overrides) -> Path:
+        return _make_checkpoint(arch, tmp_path_factory.mktemp("ckpt"), **overrides)
+
+    return make

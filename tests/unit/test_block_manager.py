@@ -124,3 +124,17 @@ def test_prefix_caching_disabled():
     a = req("a", list(range(8)))
     compute_all(bm, a)
     assert bm.cached == {} and bm.get_computed_blocks(req("b", list(range(9)))) == []
+
+
+def test_blocks_filled_while_decoding_are_registered():
+    bm = BlockManager(16, BS)
+    a = req("a", list(range(6)))
+    compute_all(bm, a)  # 1 full block registered
+    for t in range(6, 13):  # decode token by token, growing the table as the engine does
+        a.append_output(t, None)
+        assert bm.allocate_slots(a, a.num_tokens)
+        a.num_computed_tokens = a.num_tokens
+        bm.cache_full_blocks(a)
+    assert len(bm.cached) == 3  # tokens 0..11 fill three blocks
+    b = req("b", list(range(13)) + [99])
+    assert len(bm.get_computed_blocks(b)) == 3

@@ -164,13 +164,13 @@ class BlockManager:
             return False
         if held is None:
             held = self.req_blocks[req.request_id] = []
-            self._num_registered[req.request_id] = 0
+            # Prefix hits are registered already: registration resumes after them.
+            self._num_registered[req.request_id] = len(computed)
         for b in computed:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
             held.append(b)
-        self._num_registered[req.request_id] = len(held)
         for _ in range(max(num_new, 0)):
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict its cached content

@@ -53,6 +53,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions_total = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -115,4 +116,5 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.appendleft(req)

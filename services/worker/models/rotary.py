@@ -1,0 +1,116 @@
+"""Rotary position embedding (RoPE), neox / half-rotation style as HF Llama uses it.
+
+A head vector x of size D is split into halves (x1, x2) = (x[:D/2], x[D/2:]) and rotated as
+(x1 * cos - x2 * sin, x2 * cos + x1 * sin) with angle position * inv_freq[j] for pair j.
+Frequencies follow `rope_type` "default", "linear" or "llama3" (Llama 3.1 wavelength-dependent
+scaling). cos/sin are tabulated once for every position up to `max_position`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from llmfleet.shared.errors import ModelLoadError
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of an HF config as one dict with at least rope_type and rope_theta.
+
+    transformers 5 keeps them in `config.rope_parameters`; older configs use `rope_theta` plus
+    an optional `rope_scaling` dict (whose type key may be spelled "type").
+    """
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        out = dict(params)
+    else:
+        out = dict(getattr(config, "rope_scaling", None) or {})
+        out["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    return out
+
+
+def compute_inv_freq(
+    rotary_dim: int, params: dict[str, Any], device: torch.device | None = None
+) -> torch.Tensor:  # (rotary_dim/2,) float32
+    base = float(params["rope_theta"])
+    exponents = (
+        torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    )
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (> old_len / low) are slowed by `factor`, short ones (< old_len / high)
+        # kept, the band between interpolated smoothly.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(
+        f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (float32) and their application to q and k.
+
+    The table is a plain attribute, not a buffer, so `model.to(dtype)` never rounds it; it
+    follows the device of the positions it is asked for (rebuilt once on a device change, e.g.
+    after a model built on the meta device is materialized).
+    """
+
+    def __init__(self, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        if rotary_dim % 2:
+            raise ModelLoadError(f"rotary dimension must be even, got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.params = dict(params)
+        # Follows the default device, so building under `torch.device("meta")` costs nothing.
+        self.cos_sin = self._table(None)
+
+    def _table(self, device: torch.device | None) -> torch.Tensor:  # (max_position, rotary_dim)
+        inv_freq = compute_inv_freq(self.rotary_dim, self.params, device)
+        t = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)  # (P, rotary_dim/2)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def rebuild(self, device: torch.device | str) -> None:
+        """Recompute the table (float32) on `device`."""
+        self.cos_sin = self._table(torch.device(device))
+
+    def cos_sin_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T,) int64 positions -> cos, sin, each (T, 1, rotary_dim/2) float32."""
+        if self.cos_sin.device != positions.device:
+            self.rebuild(positions.device)
+        cs = self.cos_sin.index_select(0, positions)  # (T, rotary_dim)
+        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(
+    x: torch.Tensor,  # (T, heads, D)
+    cos: torch.Tensor,  # (T, 1, R/2) float32
+    sin: torch.Tensor,  # (T, 1, R/2) float32
+) -> torch.Tensor:  # (T, heads, D)
+    r = cos.shape[-1] * 2
+    rot, rest = x[..., :r], x[..., r:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    if rest.shape[-1]:
+        out = torch.cat([out, rest], dim=-1)
+    return out
