@@ -20,7 +20,9 @@ logger = logging.getLogger("llmfleet")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2)")
+    p.add_argument(
+        "--model", help="HF checkpoint directory or .gguf file (default: bundled SmolLM2)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--offline", action="store_true", help="run the engine in this process")

@@ -43,7 +43,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValidationError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype}")
+            raise ValidationError(
+                "dtype", f"must be float32, bfloat16 or float16, got {self.dtype}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValidationError("block_size", f"must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_checkpoint as _make_checkpoint
 
 # Two cores on CI: one intra-op thread per test process keeps timings stable and avoids
 # oversubscription when the suite runs tests in parallel.
@@ -32,14 +31,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def make_checkpoint() -> Callable[..., Path]:
     """`make_checkpoint(arch, tmp_path, *, max_shard_size=None, **config_overrides) -> Path`:
     a tiny random-weight HF checkpoint (see tiny_models.py)."""
-    return _make_checkpoint
+    from tiny_models import make_checkpoint  # imported lazily: it needs transformers and gguf
+
+    return make_checkpoint
 
 
 @pytest.fixture(scope="module")
 def make_checkpoint_module(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Module-scoped variant: `make_checkpoint_module(arch, **config_overrides) -> Path`."""
 
+    from tiny_models import make_checkpoint
+
     def make(arch: str, **overrides) -> Path:
-        return _make_checkpoint(arch, tmp_path_factory.mktemp("ckpt"), **overrides)
+        return make_checkpoint(arch, tmp_path_factory.mktemp("ckpt"), **overrides)
 
     return make

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+
 from llmfleet.shared.errors import ValidationError
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})

@@ -40,10 +40,14 @@ def hf_greedy(path, prompts, steps):
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(
-                torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
+                torch.tensor([p]),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
-            res.append(out[0, len(p):].tolist())
+            res.append(out[0, len(p) :].tolist())
     return res
 
 

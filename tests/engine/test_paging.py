@@ -104,8 +104,11 @@ def test_completion_returns_every_block(loaded):
     engine = engine_with(loaded)
     free0 = engine.num_free_blocks
     ps = prompts(loaded, [5, 33, 12], seed=9)
-    _, finish = drain(engine, [(f"r{i}", p) for i, p in enumerate(ps)],
-                      SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+    _, finish = drain(
+        engine,
+        [(f"r{i}", p) for i, p in enumerate(ps)],
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+    )
     assert set(finish.values()) == {"length"}
     assert engine.num_free_blocks == free0
 
@@ -139,13 +142,17 @@ def test_n_seeded_completions_differ_and_reproduce(loaded):
 def test_stop_token_and_min_tokens(loaded):
     engine = engine_with(loaded)
     [p] = prompts(loaded, [6], seed=13)
-    greedy, _ = drain(engine, [("g", p)], SamplingParams(max_tokens=10, temperature=0.0,
-                                                          ignore_eos=True))
+    greedy, _ = drain(
+        engine, [("g", p)], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )
     tokens = greedy["g"][0]
     stop_at = tokens[3]
     first = tokens.index(stop_at)
-    outs, finish = drain(engine, [("s", p)], SamplingParams(
-        max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]))
+    outs, finish = drain(
+        engine,
+        [("s", p)],
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]),
+    )
     assert outs["s"][0] == tokens[: first + 1]
     assert finish[("s", 0)] == "stop"
 
@@ -160,8 +167,10 @@ def test_validation_names_the_field(loaded):
         (lambda: engine.add_request("a", [1], SamplingParams(n=1000)), "n"),
         (lambda: engine.add_request("a", [1], SamplingParams(logprobs=1000)), "logprobs"),
         (lambda: engine.add_request("a", [1], SamplingParams(max_tokens=10**6)), "max_tokens"),
-        (lambda: engine.add_request("a", [1], SamplingParams(stop_token_ids=[vocab])),
-         "stop_token_ids"),
+        (
+            lambda: engine.add_request("a", [1], SamplingParams(stop_token_ids=[vocab])),
+            "stop_token_ids",
+        ),
         (lambda: SamplingParams(temperature=float("nan")), "temperature"),
         (lambda: SamplingParams(temperature=2.5), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),

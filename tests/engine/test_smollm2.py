@@ -48,15 +48,20 @@ def test_chat_greedy_equals_transformers(llm, hf_model):
         ids = torch.tensor([res.prompt_token_ids])
         with torch.inference_mode():
             ref = hf_model.generate(
-                ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
+                ids,
+                max_new_tokens=64,
+                min_new_tokens=64,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
-            )[0, ids.shape[1]:].tolist()
+            )[0, ids.shape[1] :].tolist()
         assert res.completions[0].token_ids == ref
 
 
 def test_chat_answer_is_sensible_and_stops_at_end_of_turn(llm):
-    [res] = llm.generate([CHAT_PROMPTS[0]], SamplingParams(max_tokens=48, temperature=0.0),
-                         chat=True)
+    [res] = llm.generate(
+        [CHAT_PROMPTS[0]], SamplingParams(max_tokens=48, temperature=0.0), chat=True
+    )
     comp = res.completions[0]
     assert "Paris" in comp.text
     assert comp.finish_reason == "stop" and "<|im_end|>" not in comp.text
@@ -98,23 +103,31 @@ def test_seeded_sampling_reproduces(llm):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
     a = llm.generate(["Tell me a story."], params, chat=True)[0].completions[0].token_ids
     b = llm.generate(["Tell me a story."], params, chat=True)[0].completions[0].token_ids
-    c = llm.generate(["Tell me a story."], SamplingParams(
-        max_tokens=24, temperature=0.9, top_p=0.95, seed=99), chat=True)[0].completions[0]
+    c = llm.generate(
+        ["Tell me a story."],
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=99),
+        chat=True,
+    )[0].completions[0]
     assert a == b and a != c.token_ids
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "llmfleet.shared.cli", *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def test_cli_prints_only_the_completion(llm):
     proc = _cli("generate", "--offline", "--max-tokens", "24", "What is the capital of France?")
     assert proc.returncode == 0, proc.stderr
-    [expected] = llm.generate(["What is the capital of France?"],
-                              SamplingParams(max_tokens=24, temperature=0.0), chat=True)
+    [expected] = llm.generate(
+        ["What is the capital of France?"],
+        SamplingParams(max_tokens=24, temperature=0.0),
+        chat=True,
+    )
     assert proc.stdout == expected.completions[0].text + "\n"
 
 

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from llmfleet.services.worker.attention.reference import (
     TorchReferenceBackend,

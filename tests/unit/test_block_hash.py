@@ -21,8 +21,11 @@ def _spec_chain(tokens, block_size, context, mm):
         blk = tokens[i * block_size : (i + 1) * block_size]
         extra = []
         if i == 0:
-            for key, prefix in (("model_id", b"model:"), ("cache_salt", b"salt:"),
-                                ("adapter_id", b"adapter:")):
+            for key, prefix in (
+                ("model_id", b"model:"),
+                ("cache_salt", b"salt:"),
+                ("adapter_id", b"adapter:"),
+            ):
                 if context.get(key):
                     extra.append(prefix + context[key].encode())
         for m in mm:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from llmfleet.services.tokenizer.chat import render_chat, tokenize_chat, tokenize_prompt
 from llmfleet.shared.errors import ValidationError
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+
 from llmfleet.services.tokenizer.detokenizer import IncrementalDetokenizer
 from llmfleet.shared.errors import ValidationError
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from llmfleet.services.worker.engine.sampler import (
     Sampler,
     SamplingRow,

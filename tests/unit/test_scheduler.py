@@ -17,8 +17,11 @@ def make(num_blocks=64, max_seqs=8, budget=32, caching=True):
 
 def req(rid, n_prompt, max_tokens=4, base=0):
     return Request(
-        rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens),
-        frozenset(), BS,
+        rid,
+        [base + i for i in range(n_prompt)],
+        SamplingParams(max_tokens=max_tokens),
+        frozenset(),
+        BS,
     )
 
 

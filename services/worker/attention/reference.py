@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 
 
@@ -96,6 +97,10 @@ class TorchReferenceBackend:
         tables = meta.block_tables[:, :nb].long()  # (B, nb)
         kv = kv_cache[:, tables]  # (2, B, nb, block_size, Hkv, D), one gather for K and V
         kv = kv.view(2, b, nb * block_size, hkv, d).permute(0, 1, 3, 2, 4)  # (2, B, Hkv, L, D)
+        if b == 1:  # one sequence: its context is a prefix, no mask needed
+            kv = kv[..., : meta.seq_lens_cpu[0], :]
+            out = F.scaled_dot_product_attention(q.reshape(1, hkv, g, d), kv[0], kv[1], scale=scale)
+            return out.reshape(b, h, d)
         pos = torch.arange(nb * block_size, device=q.device)  # (L,)
         valid = pos[None, :] < meta.seq_lens[:, None]  # (B, L)
         # SDPA with a boolean mask measured ~2x faster on CPU than matmul + softmax here.

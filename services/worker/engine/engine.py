@@ -61,8 +61,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.max_model_len = min(config.max_model_len or self.info.max_model_len,
-                                 self.info.max_model_len)
+        self.max_model_len = min(
+            config.max_model_len or self.info.max_model_len, self.info.max_model_len
+        )
         num_blocks = config.num_kv_blocks or max(
             1,
             config.kv_cache_bytes
@@ -77,8 +78,11 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(
-            self.model, self.info, self.block_manager,
-            dtype=config.torch_dtype, device=self.device,
+            self.model,
+            self.info,
+            self.block_manager,
+            dtype=config.torch_dtype,
+            device=self.device,
         )
         self.sampler = Sampler()
         self.limits = SamplingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)

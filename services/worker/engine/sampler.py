@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from llmfleet.services.worker.models.decoder import DecoderForCausalLM
 from llmfleet.services.worker.models.layers import MLP
 from llmfleet.services.worker.models.moe import SparseMoE
 from llmfleet.shared.errors import ModelLoadError
-from torch import nn
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

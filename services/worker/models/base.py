@@ -6,8 +6,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 import torch
-from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from torch import nn
+
+from llmfleet.services.worker.attention.metadata import AttentionMetadata
 
 
 class CausalLM(nn.Module, ABC):

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from llmfleet.services.worker.attention.backend import AttentionBackend
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from llmfleet.services.worker.attention.reference import TorchReferenceBackend
@@ -31,7 +33,6 @@ from llmfleet.services.worker.models.layers import MLP, Attention, RMSNorm, load
 from llmfleet.services.worker.models.moe import SparseMoE
 from llmfleet.services.worker.models.rotary import RotaryEmbedding, rope_parameters
 from llmfleet.shared.errors import ModelLoadError
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

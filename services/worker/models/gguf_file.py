@@ -20,8 +20,9 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from llmfleet.shared.errors import ModelLoadError
 from transformers import AutoConfig, PretrainedConfig
+
+from llmfleet.shared.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

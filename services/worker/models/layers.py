@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from llmfleet.services.worker.attention.backend import AttentionBackend
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from llmfleet.services.worker.models.rotary import apply_rotary
-from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused native op; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -117,14 +120,13 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, hidden)
-        t = x.shape[0]
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # q and k are adjacent in qkv: rotate them as one (T, H + Hkv, D) tensor.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        q, k = apply_rotary(qk, cos, sin).split([h, hkv], dim=1)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.q_size))

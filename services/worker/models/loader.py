@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
 from llmfleet.services.worker.attention.backend import AttentionBackend
 from llmfleet.services.worker.models.architectures import model_class
 from llmfleet.services.worker.models.base import CausalLM
@@ -28,8 +31,6 @@ from llmfleet.services.worker.models.decoder import DecoderForCausalLM
 from llmfleet.services.worker.models.gguf_file import GGUFFile
 from llmfleet.services.worker.models.rotary import RotaryEmbedding
 from llmfleet.shared.errors import ModelLoadError
-from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ Expert weights are stacked so that one fused-MoE kernel can replace `fused_moe_r
 from __future__ import annotations
 
 import torch
-from llmfleet.services.worker.models.layers import silu_and_mul
 from torch import nn
+
+from llmfleet.services.worker.models.layers import silu_and_mul
 
 
 def route_topk(

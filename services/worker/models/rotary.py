@@ -12,8 +12,9 @@ import math
 from typing import Any
 
 import torch
-from llmfleet.shared.errors import ModelLoadError
 from torch import nn
+
+from llmfleet.shared.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
