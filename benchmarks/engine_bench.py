@@ -27,8 +27,9 @@ from llmfleet.shared.config import EngineConfig
 
 
 def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:
-    text = " ".join(f"Paragraph {salt}.{i}: the quick brown fox jumps over the lazy dog."
-                    for i in range(n))
+    text = " ".join(
+        f"Paragraph {salt}.{i}: the quick brown fox jumps over the lazy dog." for i in range(n)
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[:n]
 
@@ -96,7 +97,8 @@ def main() -> None:
 
     single = bench_ours(engine, [short], args.max_tokens)
     multi = bench_ours(
-        engine, [prompt_ids(tok, 32, salt=s + 1) for s in range(args.concurrency)],
+        engine,
+        [prompt_ids(tok, 32, salt=s + 1) for s in range(args.concurrency)],
         args.max_tokens,
     )
     ttft = bench_ours(engine, [prompt_ids(tok, 500, salt=7)], 1)["ttft_s"]
@@ -114,18 +116,23 @@ def main() -> None:
         hf_tps, _ = bench_hf(hf, short, args.max_tokens)
         _, hf_ttft = bench_hf(hf, long, 2)
 
-    print(f"\n# llmfleet engine bench — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
-          f"float32, model load {load_s:.1f} s")
+    print(
+        f"\n# llmfleet engine bench — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads, "
+        f"float32, model load {load_s:.1f} s"
+    )
     print("| metric | llmfleet | transformers generate | ratio |")
     print("|---|---|---|---|")
-    print(f"| single-request decode tok/s (32-token prompt, {args.max_tokens} out) | "
-          f"{single['decode_tps']:.1f} | {hf_tps:.1f} | {single['decode_tps'] / hf_tps:.2f}x |")
-    print(f"| {args.concurrency} concurrent requests, total output tok/s | "
-          f"{multi['throughput']:.1f} | {hf_tps:.1f} (single) | "
-          f"{multi['throughput'] / hf_tps:.2f}x |")
-    print(f"| TTFT, 500-token prompt (s) | {ttft:.3f} | {hf_ttft:.3f} | "
-          f"{ttft / hf_ttft:.2f}x |")
+    print(
+        f"| single-request decode tok/s (32-token prompt, {args.max_tokens} out) | "
+        f"{single['decode_tps']:.1f} | {hf_tps:.1f} | {single['decode_tps'] / hf_tps:.2f}x |"
+    )
+    print(
+        f"| {args.concurrency} concurrent requests, total output tok/s | "
+        f"{multi['throughput']:.1f} | {hf_tps:.1f} (single) | "
+        f"{multi['throughput'] / hf_tps:.2f}x |"
+    )
+    print(f"| TTFT, 500-token prompt (s) | {ttft:.3f} | {hf_ttft:.3f} | {ttft / hf_ttft:.2f}x |")
     print(f"\ntargets: decode >= 1.0x, {args.concurrency}-concurrent >= 4.0x")
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from llmfleet.services.worker.attention.metadata import AttentionMetadata
-from llmfleet.services.worker.models.loader import LoadedModel
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from llmfleet.services.worker.attention.metadata import AttentionMetadata
+from llmfleet.services.worker.models.loader import LoadedModel
 
 VOCAB = 260  # 256 byte tokens + specials
 SPECIALS = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.errors import ModelLoadError
 from tiny_models import (
     ARCHS,
     PROMPT_LENS,
@@ -19,6 +17,9 @@ from tiny_models import (
     random_prompts,
     save_checkpoint,
 )
+
+from llmfleet.services.worker.models.loader import load_model
+from llmfleet.shared.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module", params=ARCHS)

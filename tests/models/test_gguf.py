@@ -9,8 +9,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from llmfleet.services.worker.models.loader import load_model, resolve_model_path
-from llmfleet.shared.errors import ModelLoadError
 from tiny_models import (
     CHAT_TEMPLATE,
     PROMPT_LENS,
@@ -22,6 +20,9 @@ from tiny_models import (
     random_prompts,
     save_checkpoint,
 )
+
+from llmfleet.services.worker.models.loader import load_model, resolve_model_path
+from llmfleet.shared.errors import ModelLoadError
 
 Q = gguf.GGMLQuantizationType
 # One weight type per projection so every supported type is exercised.

@@ -141,7 +141,7 @@ class LLMEngine:
         for i in range(params.n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator().manual_seed((params.seed + i) % 2**64)
+                generator = torch.Generator(self.device).manual_seed((params.seed + i) % 2**64)
             seqs.append(
                 Request(
                     request_id=request_id if params.n == 1 else f"{request_id}#{i}",

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from llmfleet.services.worker.attention.backend import AttentionBackend
+from llmfleet.services.worker.attention.selector import select_backend
 from llmfleet.services.worker.models.architectures import model_class
 from llmfleet.services.worker.models.base import CausalLM
 from llmfleet.services.worker.models.decoder import DecoderForCausalLM
@@ -239,6 +240,8 @@ def load_model(
         dtype,
         device,
     )
+    if backend is None:
+        backend = select_backend(device)
     model = build_model(config, dtype=dtype, device=device, backend=backend)
     model.load_weights(_stream_with_progress(weights, total, progress))
 

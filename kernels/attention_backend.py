@@ -1,0 +1,57 @@
+"""The Triton implementation of the worker's `AttentionBackend` protocol.
+
+One layer call: scatter this step's k/v into the paged cache at `meta.slot_mapping`, then
+attend. A pure decode step (every sequence has one new token) takes the split-K decode kernel;
+any step with a longer query (prefill, chunked prefill, mixed prefill + decode) takes the
+varlen prefill kernel, which handles query_len == 1 rows as well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmfleet.kernels import dispatch
+from llmfleet.services.worker.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """Stateless; `kv_cache` is mutated in place (only at this step's slots)."""
+
+    name = "triton"
+
+    def __init__(self, force_triton: bool = False) -> None:
+        # force_triton: run the kernels in Triton's CPU interpreter (tests) instead of
+        # falling back to the PyTorch references for CPU tensors.
+        self.force_triton = force_triton
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        force = self.force_triton
+        dispatch.kv_cache_write(k, v, kv_cache, meta.slot_mapping, force_triton=force)
+        if meta.is_pure_decode:
+            return dispatch.paged_attention_decode(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                meta.max_seq_len,
+                force_triton=force,
+            )
+        return dispatch.paged_attention_prefill(
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_query_len,
+            force_triton=force,
+        )

@@ -1,0 +1,101 @@
+"""One entry point per op: the Triton kernel where it can run, the PyTorch reference elsewhere.
+
+Triton runs when the tensors are on a CUDA (or ROCm) device, or on the CPU when the caller
+passes `force_triton=True` and TRITON_INTERPRET=1 is set (the interpreter tests). Every other
+case (CPU serving, CPU tests of model code) takes the reference of the same function, so the
+two paths agree on arguments and results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import llmfleet.kernels.kv_cache_write as _kvw
+import llmfleet.kernels.paged_attention_decode as _decode
+import llmfleet.kernels.paged_attention_prefill as _prefill
+import llmfleet.kernels.rms_norm as _rms
+import llmfleet.kernels.rotary as _rot
+import llmfleet.kernels.silu_and_mul as _silu
+from llmfleet.kernels.triton_utils import interpreting
+
+
+def use_triton(t: torch.Tensor, force_triton: bool = False) -> bool:
+    """Whether the Triton path serves a call whose tensors live where `t` does."""
+    if t.is_cuda:
+        return True
+    return force_triton and interpreting()
+
+
+def kv_cache_write(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), in place
+    slot_mapping: torch.Tensor,  # int64 (num_tokens,), < 0 = skip
+    force_triton: bool = False,
+) -> None:
+    fn = _kvw.kv_cache_write if use_triton(k, force_triton) else _kvw.kv_cache_write_ref
+    fn(k, v, kv_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim)
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 (num_seqs, max_blocks_per_seq)
+    seq_lens: torch.Tensor,  # int32 (num_seqs,)
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    if use_triton(q, force_triton):
+        fn = _decode.paged_attention_decode
+    else:
+        fn = _decode.paged_attention_decode_ref
+    return fn(q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out=out)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # int32 (num_seqs + 1,)
+    seq_lens: torch.Tensor,  # int32 (num_seqs,)
+    block_tables: torch.Tensor,  # int32 (num_seqs, max_blocks_per_seq)
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    if use_triton(q, force_triton):
+        fn = _prefill.paged_attention_prefill
+    else:
+        fn = _prefill.paged_attention_prefill_ref
+    return fn(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out=out)
+
+
+def rms_norm(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+    residual: torch.Tensor | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Without residual: normed. With residual: (normed, x + residual)."""
+    fn = _rms.rms_norm if use_triton(x, force_triton) else _rms.rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # int (num_tokens,)
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim), in place
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), in place
+    cos_sin_cache: torch.Tensor,  # (max_position, rot_dim)
+    force_triton: bool = False,
+) -> None:
+    fn = _rot.rotary_embedding if use_triton(q, force_triton) else _rot.rotary_embedding_ref
+    fn(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
+    """(num_tokens, 2I) -> silu(x[:, :I]) * x[:, I:]."""
+    fn = _silu.silu_and_mul if use_triton(x, force_triton) else _silu.silu_and_mul_ref
+    return fn(x)

@@ -1,0 +1,291 @@
+"""Paged attention and KV-cache write kernels against their PyTorch references.
+
+Small-size tests run everywhere: compiled on a CUDA machine, in Triton's interpreter on the
+CPU. `gpu` tests run the compiled kernels at real sizes on fresh random bf16 data, with outputs
+poisoned with NaN before each run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+# Triton picks interpreter or compiler when `@triton.jit` runs, and triton.language's own jit
+# helpers (tl.zeros, tl.sum, tl.max, ...) are decorated at `import triton` (checked on triton
+# 3.9): on a CPU-only machine the flag must be set before anything imports triton. The
+# launchers re-read it at launch for our own kernels (`triton_utils.launchable`).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from llmfleet.kernels import dispatch  # noqa: E402
+from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
+from llmfleet.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref  # noqa: E402
+from llmfleet.kernels.paged_attention_decode import (  # noqa: E402
+    DecodeConfig,
+    paged_attention_decode,
+    paged_attention_decode_ref,
+)
+from llmfleet.kernels.paged_attention_prefill import (  # noqa: E402
+    PrefillConfig,
+    paged_attention_prefill,
+    paged_attention_prefill_ref,
+)
+from llmfleet.services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+
+SMALL_DECODE = DecodeConfig(block_n=16, num_warps=1, num_stages=1)
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 tolerance: exact-ish in the interpreter, tf32 tensor cores when compiled.
+FP32_TOL = 1e-5 if DEVICE == "cpu" else 5e-3
+
+
+@pytest.fixture(autouse=True)
+def _triton_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        if not isinstance(tl.zeros, InterpretedFunction):
+            pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: rerun with it set")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output has NaN (unwritten or broken)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+class PagedBatch:
+    """A random paged cache holding `seq_lens` tokens per sequence in shuffled blocks."""
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        spare_blocks: int = 3,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + spare_blocks
+        ids = torch.randperm(num_blocks, generator=gen).tolist()
+        tables, used = [], 0
+        for nb in blocks_per_seq:
+            tables.append(ids[used : used + nb])
+            used += nb
+        width = max(blocks_per_seq) + 1  # one padding column: must never be read
+        self.block_tables = torch.tensor(
+            [t + [ids[-1]] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        )
+        self.tables = tables
+        self.kv_cache = torch.randn(
+            (2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen
+        ).to(device=device, dtype=dtype)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.max_seq_len = max(seq_lens)
+        self.block_size = block_size
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("partition_size", [None, 32])
+def test_decode_matches_ref(group: int, partition_size: int | None) -> None:
+    num_kv_heads, head_dim = 2, 64
+    lens = [1, 15, 16, 17, 47, 80]  # around block (16) and tile boundaries
+    batch = PagedBatch(lens, num_kv_heads, head_dim, 16, torch.float32, DEVICE, seed=group)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=DEVICE)
+    cfg = DecodeConfig(block_n=16, num_warps=1, num_stages=1, partition_size=partition_size)
+    args = (q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125, batch.max_seq_len)
+    out = paged_attention_decode(*args, out=torch.full_like(q, float("nan")), config=cfg)
+    assert rel_err(out, paged_attention_decode_ref(*args)) < FP32_TOL
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_decode_other_block_sizes_fp16(block_size: int) -> None:
+    lens = [9, 33, 70]
+    batch = PagedBatch(lens, 2, 64, block_size, torch.float16, DEVICE, seed=block_size)
+    q = torch.randn(len(lens), 8, 64, device=DEVICE).half()
+    cfg = DecodeConfig(block_n=16, num_warps=1, num_stages=1, partition_size=48)
+    args = (q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125, batch.max_seq_len)
+    out = paged_attention_decode(*args, config=cfg)
+    assert rel_err(out, paged_attention_decode_ref(*args)) < 2e-3
+
+
+# (query_len, seq_len) per sequence: full prefill, chunked continuation, prefix hit, decode rows.
+PREFILL_CASES = {
+    "full": [(20, 20), (1, 1), (33, 33)],
+    "chunked": [(16, 48), (7, 40), (25, 26)],
+    "mixed": [(1, 37), (18, 18), (1, 16), (40, 71)],
+}
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_matches_ref(group: int, case: str) -> None:
+    num_kv_heads, head_dim = 2 if group < 4 else 1, 64
+    shapes = PREFILL_CASES[case]
+    batch = PagedBatch(
+        [s for _, s in shapes], num_kv_heads, head_dim, 16, torch.float32, DEVICE, seed=group
+    )
+    starts = [0]
+    for ql, _ in shapes:
+        starts.append(starts[-1] + ql)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(starts[-1], num_kv_heads * group, head_dim, device=DEVICE)
+    max_q = max(ql for ql, _ in shapes)
+    args = (q, batch.kv_cache, qsl, batch.seq_lens, batch.block_tables, 0.125, max_q)
+    out = paged_attention_prefill(*args, out=torch.full_like(q, float("nan")), config=SMALL_PREFILL)
+    assert rel_err(out, paged_attention_prefill_ref(*args)) < FP32_TOL
+
+
+def test_prefill_ref_equals_plain_causal_attention() -> None:
+    """The reference itself: one sequence with no prefix is ordinary causal attention."""
+    batch = PagedBatch([24], 2, 64, 16, torch.float32, DEVICE)
+    q = torch.randn(24, 4, 64, device=DEVICE)
+    qsl = torch.tensor([0, 24], dtype=torch.int32, device=DEVICE)
+    out = paged_attention_prefill_ref(
+        q, batch.kv_cache, qsl, batch.seq_lens, batch.block_tables, 0.125, 24
+    )
+    table = batch.tables[0]
+    k = batch.kv_cache[0, table].reshape(-1, 2, 64)[:24].repeat_interleave(2, dim=1)
+    v = batch.kv_cache[1, table].reshape(-1, 2, 64)[:24].repeat_interleave(2, dim=1)
+    expect = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.125
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_write_matches_ref_with_padding_and_strided_inputs() -> None:
+    num_tokens, num_kv_heads, head_dim, block_size = 11, 2, 64, 16
+    qkv = torch.randn(
+        num_tokens, (4 + 2 * num_kv_heads) * head_dim, device=DEVICE
+    )  # k, v are views of qkv
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 6 * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(6 * block_size, device=DEVICE)[:num_tokens]
+    slots[[3, 7]] = -1  # padding tokens
+    cache = torch.randn(2, 6, block_size, num_kv_heads, head_dim, device=DEVICE)
+    expect = cache.clone()
+    kv_cache_write_ref(k, v, expect, slots)
+    kv_cache_write(k, v, cache, slots)
+    assert torch.equal(cache, expect)
+    flat = expect[0].view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat[slots[0]], k[0])
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_backend_writes_cache_then_attends(phase: str) -> None:
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    if phase == "prefill":
+        query_lens, seq_lens = [5, 30, 1], [5, 50, 20]
+    else:
+        query_lens, seq_lens = [1, 1, 1], [1, 17, 40]
+    rng = random.Random(1)
+    ids = list(range(12))
+    rng.shuffle(ids)
+    tables, used = [], 0
+    for s in seq_lens:
+        nb = -(-s // block_size)
+        tables.append(ids[used : used + nb])
+        used += nb
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE)
+    cache = torch.randn(2, 12, block_size, num_kv_heads, head_dim, device=DEVICE)
+    n = meta.num_tokens
+    q = torch.randn(n, num_heads, head_dim, device=DEVICE)
+    k, v = torch.randn(n, 2, 64, device=DEVICE), torch.randn(n, 2, 64, device=DEVICE)
+    ref_cache = cache.clone()
+    ref_cache = ref_cache.cpu()
+    ref_meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    ref = TritonAttentionBackend().forward(  # CPU tensors: the references
+        q.cpu(), k.cpu(), v.cpu(), ref_cache, ref_meta, 0.125
+    )
+    out = TritonAttentionBackend(force_triton=True).forward(q, k, v, cache, meta, 0.125).cpu()
+    assert torch.equal(cache.cpu(), ref_cache)
+    assert rel_err(out, ref) < FP32_TOL
+
+
+def test_dispatch_uses_reference_on_cpu_without_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(3, 4)
+    assert not dispatch.use_triton(x)
+    assert dispatch.use_triton(x, force_triton=True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not dispatch.use_triton(x, force_triton=True)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(32, 8, 128), (32, 32, 64), (64, 8, 128)]
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_gpu(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    rng = random.Random(num_heads + block_size)
+    lens = [rng.randint(1, 4096) for _ in range(48)] + [1, 4096, 4097, block_size]
+    batch = PagedBatch(
+        lens, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", seed=rng.randint(0, 99)
+    )
+    q = torch.randn(len(lens), num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    args = (q, batch.kv_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5)
+    ref = paged_attention_decode_ref(*args, batch.max_seq_len)
+    for part in (None, 256, 8192):  # auto, many partitions, single partition
+        cfg = DecodeConfig(partition_size=part)
+        out = paged_attention_decode(*args, batch.max_seq_len, out=_poisoned(q), config=cfg)
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 1e-2, part
+
+
+GPU_PREFILL_CASES = {
+    "long": [(1000, 1000), (512, 3000), (1, 777), (2048, 2048), (129, 130)],
+    "short": [(100, 3000), (1, 50), (300, 300), (64, 1000), (1, 1)],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_PREFILL_CASES))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 16, 64)])
+def test_prefill_gpu(case: str, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    shapes = GPU_PREFILL_CASES[case]
+    batch = PagedBatch([s for _, s in shapes], num_kv_heads, head_dim, 16, torch.bfloat16, "cuda")
+    starts = [0]
+    for ql, _ in shapes:
+        starts.append(starts[-1] + ql)
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    q = torch.randn(starts[-1], num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    max_q = max(ql for ql, _ in shapes)
+    args = (q, batch.kv_cache, qsl, batch.seq_lens, batch.block_tables, head_dim**-0.5, max_q)
+    ref = paged_attention_prefill_ref(*args)
+    out = paged_attention_prefill(*args, out=_poisoned(q))
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_kv_cache_write_gpu() -> None:
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 3000, 8, 128, 16, 1024
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots[::97] = -1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device="cuda").bfloat16()
+    expect = cache.clone()
+    kv_cache_write_ref(k, v, expect, slots)
+    kv_cache_write(k, v, cache, slots)
+    assert torch.equal(cache, expect)
