@@ -1,0 +1,343 @@
+"""Fused MoE: grouped GEMM over token slots sorted by expert (see moe_routing for the sort).
+
+    x (T, H) --gate-up--> inter (T*k, I) = silu(x w1_gate^T) * (x w1_up^T)   [one kernel]
+             --down-----> y (T*k, H) = routing_weight * inter w2^T           [one kernel]
+             --sum over k--> out (T, H)
+
+Layouts (all unit-stride along their last dimension):
+    x        (T, H)        float16/bfloat16 hidden states
+    w1       (E, 2I, H)    rows [0, I) are the gate projection, rows [I, 2I) the up projection
+    w2       (E, H, I)     down projection
+    topk_weights (T, k) float32, topk_ids (T, k) int32 (from topk_routing)
+    FP8 (W8A8): w1/w2 float8_e4m3fn with scales (E,) per expert-tensor or (E, rows) per output
+    channel (rows = 2I for w1, H for w2); activations are quantized per token on the fly.
+
+Each program owns a BLOCK_M x BLOCK_N output tile of one block of `sorted_token_ids`, hence of a
+single expert; it gathers its A rows by slot (x row = slot // k) and streams that expert's
+weight rows. SiLU-and-mul is fused into the gate-up epilogue: the program keeps two accumulators
+(gate rows n and up rows I + n), so the (T*k, 2I) pre-activation never reaches memory.
+
+Block configurations come from JSON files in configs/fused_moe/ named
+`E={E},N={I},device_name={name},dtype={bf16|fp8_w8a8}.json`, mapping a token count M to a
+config; the entry with the nearest M is used. Without a file, `default_config` chooses by the
+mean rows per expert. `tune_fused_moe.py` writes the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from llmfleet.kernels.moe_routing import moe_align_block_size
+from llmfleet.kernels.quant import per_token_quant
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs" / "fused_moe"
+CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    N,  # output columns (I for gate-up, H for down)
+    K,
+    num_slots,  # T * k; sorted ids >= num_slots are padding
+    max_padded,
+    stride_am,  # elements between rows of A (T, H) or (T*k, I); unit-stride along K
+    stride_be,  # elements between experts of B (E, rows, K)
+    stride_bn,  # elements between rows of B; unit-stride along K
+    stride_cm,  # elements between rows of C (T*k, N); unit-stride along N
+    stride_bse,  # elements between experts of b_scale (E,) or (E, rows)
+    A_ROW_DIV: tl.constexpr,  # slot -> A row: k for x (T, H), 1 for inter (T*k, I)
+    GATED: tl.constexpr,  # gate-up: C = silu(A Bg^T) * (A Bu^T), Bu rows offset by N
+    MUL_WEIGHT: tl.constexpr,  # down: C *= topk_weights[slot]
+    FP8: tl.constexpr,  # A, B float8: per-row a_scale, b_scale per expert or channel
+    B_SCALE_PER_CHANNEL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # float32 dot: the CPU interpreter mis-multiplies bfloat16
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = max_padded // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_rows
+    pid_n = (pid % num_in_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ids_ptr + offs_r)
+    slot_mask = slots < num_slots
+    a_rows = tl.where(slot_mask, slots // A_ROW_DIV, 0).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+    b_base = b_ptr + expert * stride_be
+    bg_ptrs = b_base + cols[None, :] * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
+    bu_ptrs = bg_ptrs + N * stride_bn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+        bg = tl.load(bg_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g)
+        if GATED:
+            bu = tl.load(bu_ptrs, mask=k_mask[:, None], other=0.0)
+            if UPCAST_DOT:
+                bu = bu.to(tl.float32)
+            acc_u = tl.dot(a, bu, acc_u)
+            bu_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        bg_ptrs += BLOCK_K
+
+    if FP8:
+        a_s = tl.load(a_scale_ptr + a_rows, mask=slot_mask, other=0.0)[:, None]
+        if B_SCALE_PER_CHANNEL:
+            acc_g = acc_g * a_s * tl.load(b_scale_ptr + expert * stride_bse + cols)[None, :]
+            if GATED:
+                bs_u = tl.load(b_scale_ptr + expert * stride_bse + N + cols)[None, :]
+                acc_u = acc_u * a_s * bs_u
+        else:
+            b_s = tl.load(b_scale_ptr + expert)
+            acc_g = acc_g * (a_s * b_s)
+            acc_u = acc_u * (a_s * b_s)
+    if GATED:
+        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        out = acc_g
+    if MUL_WEIGHT:
+        out = out * tl.load(topk_weights_ptr + slots, mask=slot_mask, other=0.0)[:, None]
+    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(
+        c_ptrs, out.to(c_ptr.dtype.element_ty), mask=slot_mask[:, None] & (offs_n < N)[None, :]
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def config_file_name(num_experts: int, inter_size: int, device_name: str, dtype: str) -> str:
+    device = device_name.replace(" ", "_")
+    return f"E={num_experts},N={inter_size},device_name={device},dtype={dtype}.json"
+
+
+@functools.lru_cache(maxsize=64)
+def load_configs(
+    num_experts: int, inter_size: int, device_name: str, dtype: str
+) -> dict[int, dict[str, int]] | None:
+    """Tuned configs {M: config} for this shape and device, or None when no file exists."""
+    path = CONFIG_DIR / config_file_name(num_experts, inter_size, device_name, dtype)
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        raw = json.load(f)
+    logger.info("fused_moe: using tuned configs %s", path.name)
+    return {int(m): cfg for m, cfg in raw.items()}
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict[str, int]:
+    """Untuned choice by mean rows per expert (T * k / E). Few rows: the GEMM streams weights,
+    so small BLOCK_M (little padding) and long BLOCK_K; many rows: tensor-core tiles."""
+    rows = num_tokens * top_k / num_experts
+    if rows <= 16:
+        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1)
+        return {**cfg, "num_warps": 4, "num_stages": 4}
+    if rows <= 64:
+        cfg = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1)
+        return {**cfg, "num_warps": 4, "num_stages": 4}
+    if rows <= 256:
+        cfg = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8)
+        return {**cfg, "num_warps": 4, "num_stages": 4}
+    cfg = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8)
+    return {**cfg, "num_warps": 8, "num_stages": 3}
+
+
+def get_config(
+    num_tokens: int, num_experts: int, inter_size: int, top_k: int, dtype: str, device: torch.device
+) -> dict[str, int]:
+    if device.type == "cuda":
+        table = load_configs(num_experts, inter_size, torch.cuda.get_device_name(device), dtype)
+        if table:
+            return table[min(table, key=lambda m: abs(m - num_tokens))]
+    return default_config(num_tokens, num_experts, top_k)
+
+
+def _check_scale(s: torch.Tensor | None, num_experts: int, rows: int, name: str) -> bool:
+    if s is None or s.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 tensor for FP8 weights")
+    if s.shape == (num_experts,):
+        return False
+    if s.shape == (num_experts, rows) and s.stride(1) == 1:
+        return True
+    raise ValueError(f"{name} must be ({num_experts},) or ({num_experts}, {rows}), got {s.shape}")
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    n: int,
+    top_k_div: int,
+    gated: bool,
+    per_channel: bool,
+    cfg: dict[str, int],
+) -> None:
+    sorted_ids, expert_ids, num_post_padded = align
+    k = a.shape[1]
+    bm, bn = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]
+    max_padded = sorted_ids.numel()
+    grid = ((max_padded // bm) * triton.cdiv(n, bn),)
+    fp8 = b.dtype == FP8_DTYPE
+    _moe_gemm_kernel[grid](
+        a,
+        b,
+        c,
+        a_scale if fp8 else topk_weights,
+        b_scale if fp8 else topk_weights,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
+        n,
+        k,
+        topk_weights.numel(),
+        max_padded,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        b_scale.stride(0) if fp8 and per_channel else 1,
+        A_ROW_DIV=top_k_div,
+        GATED=gated,
+        MUL_WEIGHT=not gated,
+        FP8=fp8,
+        B_SCALE_PER_CHANNEL=per_channel,
+        UPCAST_DOT=_interpreting() and not fp8,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=cfg["BLOCK_SIZE_K"],
+        GROUP_M=cfg["GROUP_SIZE_M"],
+        num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 3),
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """out (T, H) = sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x), SwiGLU experts."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16) or x.stride(1) != 1:
+        raise ValueError(f"x must be (T, H) float16/bfloat16, unit-stride along H: {x.shape}")
+    t, h = x.shape
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[2] != h or w1.shape[1] % 2:
+        raise ValueError(f"w1 must be (E, 2I, {h}), got {tuple(w1.shape)}")
+    e, two_i, _ = w1.shape
+    inter = two_i // 2
+    if w2.shape != (e, h, inter):
+        raise ValueError(f"w2 must be ({e}, {h}, {inter}), got {tuple(w2.shape)}")
+    if w1.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("w1 and w2 must be unit-stride along their last dimension")
+    if w1.dtype != w2.dtype or w1.dtype not in (x.dtype, FP8_DTYPE):
+        raise ValueError(f"w1/w2 must both be {x.dtype} or float8_e4m3fn: {w1.dtype}, {w2.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError("topk_weights and topk_ids must both be (T, k)")
+    if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
+        raise ValueError("topk_ids must be int32 and topk_weights float32")
+    top_k = topk_ids.shape[1]
+    fp8 = w1.dtype == FP8_DTYPE
+    per_channel = False
+    if fp8:
+        per_channel = _check_scale(w1_scale, e, two_i, "w1_scale")
+        if _check_scale(w2_scale, e, h, "w2_scale") != per_channel:
+            raise ValueError("w1_scale and w2_scale must both be per-tensor or per-channel")
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    cfg = config or get_config(t, e, inter, top_k, "fp8_w8a8" if fp8 else "bf16", x.device)
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    align = moe_align_block_size(topk_ids, e, cfg["BLOCK_SIZE_M"])
+
+    inter_buf = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    a1, a1_scale = per_token_quant(x, FP8_DTYPE) if fp8 else (x, None)
+    _launch(a1, w1, inter_buf, a1_scale, w1_scale, topk_weights, align, inter, top_k, True,
+            per_channel, cfg)  # fmt: skip
+    a2, a2_scale = per_token_quant(inter_buf, FP8_DTYPE) if fp8 else (inter_buf, None)
+    down = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
+    _launch(a2, w2, down, a2_scale, w2_scale, topk_weights, align, h, 1, False, per_channel, cfg)
+    torch.sum(down.view(t, top_k, h), dim=1, out=out)
+    return out
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference of `fused_moe`: a loop over experts in float32 (FP8 weights are
+    dequantized; activations stay unquantized, so FP8 comparisons need a looser bound)."""
+    e, two_i, h = w1.shape
+    inter = two_i // 2
+
+    def deq(w: torch.Tensor, s: torch.Tensor | None, i: int) -> torch.Tensor:
+        wf = w[i].float()
+        if s is None:
+            return wf
+        return wf * (s[i].float().reshape(-1, 1) if s.dim() == 2 else s[i].float())
+
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for i in range(e):
+        tok, j = torch.nonzero(topk_ids == i, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        g_u = xf[tok] @ deq(w1, w1_scale, i).t()
+        act = torch.nn.functional.silu(g_u[:, :inter]) * g_u[:, inter:]
+        y = (act @ deq(w2, w2_scale, i).t()) * topk_weights[tok, j].float()[:, None]
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)

@@ -1,0 +1,115 @@
+"""Tune fused MoE block configurations on this GPU and write them as JSON.
+
+    python -m llmfleet.kernels.tune_fused_moe --model mixtral --dtype bf16 --m 1 16 64 512 4096
+
+For each token count M, every config of the search grid is timed on the whole `fused_moe` (both
+GEMMs, routing alignment included, CUDA-graph replays, median), on fresh random data; the
+fastest is kept. The file lands in configs/fused_moe/ (or --out) under the name that
+`fused_moe.load_configs` looks up for this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from llmfleet.kernels import fused_moe as fm
+from llmfleet.kernels.moe_routing import topk_routing
+
+MODELS = {"mixtral": (8, 2, 4096, 14336), "qwen3_30b_a3b": (128, 8, 2048, 768)}
+
+
+def search_space(m: int, top_k: int, num_experts: int) -> list[dict[str, int]]:
+    rows = m * top_k / num_experts
+    block_ms = [16, 32] if rows <= 16 else [16, 32, 64] if rows <= 128 else [64, 128]
+    configs = []
+    for bm, bn, bk, warps, stages in itertools.product(
+        block_ms, [64, 128], [64, 128], [4, 8], [3, 4]
+    ):
+        if bm * bn >= 128 * 128 and warps == 4 or bm * bn <= 32 * 64 and warps == 8:
+            continue
+        configs.append(
+            dict(
+                BLOCK_SIZE_M=bm,
+                BLOCK_SIZE_N=bn,
+                BLOCK_SIZE_K=bk,
+                GROUP_SIZE_M=1 if rows <= 128 else 8,
+                num_warps=warps,
+                num_stages=stages,
+            )
+        )
+    return configs
+
+
+def make_inputs(model: str, m: int, dtype: str, seed: int = 0) -> dict[str, torch.Tensor | None]:
+    e, k, h, inter = MODELS[model]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = torch.randn(e, 2 * inter, h, device="cuda", generator=g, dtype=torch.bfloat16) * h**-0.5
+    w2 = torch.randn(e, h, inter, device="cuda", generator=g, dtype=torch.bfloat16) * inter**-0.5
+    s1 = s2 = None
+    if dtype == "fp8_w8a8":
+        s1 = (w1.abs().amax(dim=2).float() / 448.0).contiguous()
+        s2 = (w2.abs().amax(dim=2).float() / 448.0).contiguous()
+        w1 = (w1.float() / s1[:, :, None]).to(fm.FP8_DTYPE)
+        w2 = (w2.float() / s2[:, :, None]).to(fm.FP8_DTYPE)
+    x = torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16)
+    tw, ids = topk_routing(torch.randn(m, e, device="cuda", generator=g), k)
+    return dict(x=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ids, w1_scale=s1, w2_scale=s2)
+
+
+def time_config(inputs: dict, cfg: dict[str, int]) -> float:
+    """Median milliseconds of one fused_moe call, from CUDA-graph replays."""
+    fn = lambda: fm.fused_moe(**inputs, config=cfg)  # noqa: E731
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+
+
+def tune(model: str, dtype: str, ms: list[int], budget_s: float) -> dict[str, dict[str, int]]:
+    e, k, _, _ = MODELS[model]
+    best: dict[str, dict[str, int]] = {}
+    for m in ms:
+        deadline = time.monotonic() + budget_s / len(ms)
+        inputs = make_inputs(model, m, dtype, seed=m)
+        default = fm.default_config(m, e, k)
+        results = [(time_config(inputs, default), default)]
+        for cfg in search_space(m, k, e):
+            if time.monotonic() > deadline:
+                break
+            try:
+                results.append((time_config(inputs, cfg), cfg))
+            except triton.runtime.errors.OutOfResources:
+                continue
+        t, cfg = min(results, key=lambda r: r[0])
+        print(f"{model} {dtype} M={m}: best {t * 1e3:.1f} us (default {results[0][0] * 1e3:.1f})"
+              f" of {len(results)}: {cfg}", flush=True)  # fmt: skip
+        best[str(m)] = cfg
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(MODELS), required=True)
+    p.add_argument("--dtype", choices=["bf16", "fp8_w8a8"], default="bf16")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    p.add_argument(
+        "--budget-s", type=float, default=600.0, help="search time, split over the M values"
+    )
+    p.add_argument("--out", type=Path, default=fm.CONFIG_DIR)
+    args = p.parse_args()
+    e, _, _, inter = MODELS[args.model]
+    best = tune(args.model, args.dtype, args.m, args.budget_s)
+    name = fm.config_file_name(e, inter, torch.cuda.get_device_name(), args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / name).write_text(json.dumps(best, indent=2) + "\n")
+    print(json.dumps(best))
+    print(f"wrote {args.out / name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""MoE routing, token alignment and fused MoE kernels against their PyTorch references.
+
+Without CUDA the kernels run in Triton's CPU interpreter at small sizes. `triton.jit` reads
+TRITON_INTERPRET when a kernel is *defined* (module import), not at launch, so the flag is set
+here before the kernel modules are imported, and `test_kernels_run_in_interpreter` checks that
+it took.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from llmfleet.kernels import fused_moe as fm  # noqa: E402
+from llmfleet.kernels import moe_routing as mr  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output (unwritten elements)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def test_kernels_run_in_interpreter() -> None:
+    if torch.cuda.is_available():
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for kernel in (mr._topk_routing_kernel, mr._count_kernel, fm._moe_gemm_kernel):
+        assert isinstance(kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (37, 8, 1), (5, 128, 8), (20, 60, 6)])
+def test_topk_routing(scoring: str, renormalize: bool, t: int, e: int, k: int) -> None:
+    # float32 logits: bfloat16 ones tie often over 128 experts, and torch.topk orders ties
+    # arbitrarily (the kernel takes the lowest index).
+    logits = torch.randn(t, e, device=DEV)
+    w, ids = mr.topk_routing(logits, k, renormalize, scoring)
+    w_ref, ids_ref = mr.topk_routing_ref(logits, k, renormalize, scoring)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def _ids(t: int, e: int, k: int, used: int | None = None) -> torch.Tensor:
+    """Random distinct experts per token drawn from the first `used` experts (others empty)."""
+    used = used or e
+    return torch.argsort(torch.rand(t, used), dim=1)[:, :k].to(torch.int32).to(DEV)
+
+
+@pytest.mark.parametrize(
+    "t,e,k,used,block_m",
+    [
+        (1, 8, 2, None, 16),
+        (33, 8, 2, 5, 16),
+        (7, 128, 8, None, 4),
+        (300, 64, 8, 20, 64),
+        (3, 4, 1, 1, 2),
+    ],
+)
+def test_moe_align_block_size(t: int, e: int, k: int, used: int | None, block_m: int) -> None:
+    ids = _ids(t, e, k, used)
+    got = mr.moe_align_block_size(ids, e, block_m)
+    want = mr.moe_align_block_size_ref(ids, e, block_m)
+    n_pad = int(want[2])
+    assert int(got[2]) == n_pad
+    assert torch.equal(got[0][:n_pad], want[0][:n_pad])
+    assert torch.equal(got[1][: n_pad // block_m], want[1][: n_pad // block_m])
+    assert n_pad <= got[0].numel()
+
+
+def _weights(e: int, h: int, inter: int, dtype: torch.dtype):
+    w1 = torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.float32) / h**0.5
+    w2 = torch.randn(e, h, inter, device=DEV, dtype=torch.float32) / inter**0.5
+    return w1, w2
+
+
+def _fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = w.abs().amax(dim=2) if per_channel else w.abs().amax(dim=(1, 2))
+    scale = (amax / 448.0).float()
+    s = scale[:, :, None] if per_channel else scale[:, None, None]
+    return (w / s).to(FP8), scale
+
+
+CASES = [
+    # t, e, k, h, inter, used experts, config block sizes (M, N, K)
+    (1, 8, 2, 64, 48, None, (16, 32, 32)),
+    (13, 8, 2, 96, 40, 3, (16, 32, 64)),
+    (9, 16, 8, 32, 24, None, (16, 16, 32)),
+    (40, 6, 1, 48, 80, 4, (32, 64, 32)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,e,k,h,inter,used,blocks", CASES)
+def test_fused_moe(dtype, t, e, k, h, inter, used, blocks) -> None:
+    w1, w2 = (w.to(dtype) for w in _weights(e, h, inter, dtype))
+    x = torch.randn(t, h, device=DEV, dtype=dtype)
+    ids = _ids(t, e, k, used)
+    tw = torch.softmax(torch.randn(t, k, device=DEV), dim=1)
+    cfg = dict(zip(fm.CONFIG_KEYS, (*blocks, 2), strict=True))
+    out = fm.fused_moe(x, w1, w2, tw, ids, config=cfg)
+    ref = fm.fused_moe_ref(x, w1, w2, tw, ids)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fused_moe_fp8(per_channel: bool) -> None:
+    # FP8 W8A8 runs in the interpreter (its fp8 dot upcasts to float16, exact for e4m3).
+    t, e, k, h, inter = 11, 8, 2, 64, 48
+    w1, w2 = _weights(e, h, inter, torch.float32)
+    (w1q, s1), (w2q, s2) = _fp8(w1, per_channel), _fp8(w2, per_channel)
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    ids = _ids(t, e, k, 5)
+    tw = torch.rand(t, k, device=DEV)
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1)
+    out = fm.fused_moe(x, w1q, w2q, tw, ids, s1, s2, config=cfg)
+    ref = fm.fused_moe_ref(x, w1q, w2q, tw, ids, s1, s2)  # activations unquantized
+    assert rel_err(out, ref) < 6e-2
+
+
+def test_fused_moe_default_config_and_routing_end_to_end() -> None:
+    t, e, k, h, inter = 5, 8, 2, 32, 32
+    w1, w2 = (w.bfloat16() for w in _weights(e, h, inter, torch.bfloat16))
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    tw, ids = mr.topk_routing(torch.randn(t, e, device=DEV), k)
+    out = fm.fused_moe(x, w1, w2, tw, ids)
+    assert rel_err(out, fm.fused_moe_ref(x, w1, w2, tw, ids)) < 1e-2
+
+
+def test_fused_moe_rejects_bad_shapes() -> None:
+    w1, w2 = (w.bfloat16() for w in _weights(4, 32, 16, torch.bfloat16))
+    x = torch.randn(2, 32, device=DEV, dtype=torch.bfloat16)
+    tw, ids = mr.topk_routing(torch.randn(2, 4, device=DEV), 2)
+    with pytest.raises(ValueError, match="w2"):
+        fm.fused_moe(x, w1, w2[:, :, :8], tw, ids)
+    with pytest.raises(ValueError, match="w1_scale"):
+        fm.fused_moe(x, w1.to(FP8), w2.to(FP8), tw, ids)
+
+
+def test_default_config_by_rows_per_expert() -> None:
+    assert fm.default_config(1, 8, 2)["BLOCK_SIZE_M"] == 16
+    assert fm.default_config(4096, 8, 2)["BLOCK_SIZE_M"] == 128
+
+
+# ---- GPU, real sizes ----
+
+MODELS = {"mixtral": (8, 2, 4096, 14336), "qwen3_30b_a3b": (128, 8, 2048, 768)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("t", [1, 16, 77, 512])
+@pytest.mark.parametrize("quant", ["bf16", "fp8_tensor", "fp8_channel"])
+def test_fused_moe_gpu(model: str, t: int, quant: str) -> None:
+    e, k, h, inter = MODELS[model]
+    torch.manual_seed(t)
+    w1, w2 = _weights(e, h, inter, torch.float32)
+    s1 = s2 = None
+    if quant == "bf16":
+        w1, w2 = w1.bfloat16(), w2.bfloat16()
+    else:
+        (w1, s1), (w2, s2) = _fp8(w1, quant == "fp8_channel"), _fp8(w2, quant == "fp8_channel")
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    tw, ids = mr.topk_routing(torch.randn(t, e, device=DEV), k)
+    ref = fm.fused_moe_ref(x, w1, w2, tw, ids, s1, s2)
+    out = fm.fused_moe(x, w1, w2, tw, ids, s1, s2)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < (1e-2 if quant == "bf16" else 6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k", [(4096, 8, 2), (4096, 128, 8), (3, 128, 8)])
+def test_routing_gpu(t: int, e: int, k: int) -> None:
+    logits = torch.randn(t, e, device=DEV)
+    w, ids = mr.topk_routing(logits, k)
+    w_ref, ids_ref = mr.topk_routing_ref(logits, k)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref)
+    sorted_ids = torch.full((mr.max_padded_rows(t * k, e, 64) + 64,), -7, device=DEV)
+    got = mr.moe_align_block_size(ids, e, 64)
+    want = mr.moe_align_block_size_ref(ids, e, 64)
+    n_pad = int(want[2])
+    assert int(got[2]) == n_pad and sorted_ids.numel() >= n_pad
+    assert torch.equal(got[0][:n_pad], want[0][:n_pad])
+    assert torch.equal(got[1][: n_pad // 64], want[1][: n_pad // 64])
