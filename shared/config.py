@@ -1,8 +1,9 @@
 """Configuration: frozen dataclasses, validated on construction, one env-variable prefix.
 
-Every field of a config part can be set from the environment as `LLMFLEET_<FIELD>` (upper
-case); CLI flags override the environment. `from_env` reads the registry; nothing else in the
-code base reads `LLMFLEET_*` variables directly.
+Every field of a config part can be set from the environment as `LLMFLEET_<FIELD>` (engine) or
+`LLMFLEET_<SECTION>_<FIELD>` (service parts, SECTION = the class's ENV_SECTION, e.g.
+`LLMFLEET_WORKER_PORT`); CLI flags override the environment. `from_env` reads the registry;
+nothing else in the code base reads `LLMFLEET_*` variables directly.
 """
 
 from __future__ import annotations
@@ -71,13 +72,97 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
+ROUTING_POLICIES = ("round_robin", "least_load", "prefix_aware")
+WORKER_ROLES = ("unified", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    ENV_SECTION: typing.ClassVar[str] = "TOKENIZER"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    metrics_port: int = 0
+    model: str | None = None  # tokenizer of this model (None: the bundled SmolLM2)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    ENV_SECTION: typing.ClassVar[str] = "SCHEDULER"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0
+    tokenizer_address: str = "127.0.0.1:50052"
+    mode: str = "aggregated"  # aggregated | disaggregated
+    routing_policy: str = "prefix_aware"
+    # prefix_aware: prefer the worker with the longest cached prefix unless its load exceeds
+    # the least-loaded worker's by more than this many running+waiting sequences.
+    prefix_load_threshold: int = 4
+    # disaggregated: prompts shorter than this are prefilled by the decode worker itself.
+    short_prompt_threshold: int = 32
+    heartbeat_interval_ms: int = 1000
+    heartbeat_timeout_ms: int = 3000  # a worker silent this long stops receiving traffic
+    lease_ttl_ms: int = 30000
+    max_retries: int = 1  # re-submissions of a request after a worker failure
+    max_queued_requests: int = 1024  # beyond: RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("aggregated", "disaggregated"):
+            raise ValidationError("mode", f"must be aggregated or disaggregated, got {self.mode}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValidationError("routing_policy", f"must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
+            raise ValidationError("heartbeat_timeout_ms", "must exceed heartbeat_interval_ms")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    ENV_SECTION: typing.ClassVar[str] = "WORKER"
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    role: str = "unified"  # unified | prefill | decode
+    worker_id: str | None = None  # None: derived from host, port and pid
+    scheduler_address: str | None = None  # Registry to register with (None: standalone)
+    kvstore_address: str | None = None  # KVStore gRPC address (None: no shared KV store)
+    kvstore_endpoint: str | None = None  # KVStore ZMQ data endpoint (tcp://host:port)
+    lease_ttl_ms: int = 30000  # default lifetime of a KV lease this worker grants
+    kv_push_timeout_ms: int = 10000  # prefill: wait this long for a decode worker's ack
+
+    def __post_init__(self) -> None:
+        if self.role not in WORKER_ROLES:
+            raise ValidationError("role", f"must be one of {', '.join(WORKER_ROLES)}")
+        if (self.kvstore_address is None) != (self.kvstore_endpoint is None):
+            raise ValidationError(
+                "kvstore_endpoint", "kvstore_address and kvstore_endpoint go together"
+            )
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    ENV_SECTION: typing.ClassVar[str] = "KVSTORE"
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    data_port: int = 0  # ZMQ ROUTER for put/get
+    events_port: int = 0  # ZMQ PUB for stored/evicted events
+    ram_bytes: int = 1 << 30
+    disk_dir: str | None = None  # None: RAM tier only
+    disk_bytes: int = 8 << 30
+
+    def __post_init__(self) -> None:
+        if self.ram_bytes < 1:
+            raise ValidationError("ram_bytes", "must be >= 1")
+
+
 def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
     """Build config `cls` from `LLMFLEET_*` variables, then `overrides` (None values ignored)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
+    section = getattr(cls, "ENV_SECTION", "")
+    prefix = ENV_PREFIX + (section + "_" if section else "")
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        key = ENV_PREFIX + f.name.upper()
+        key = prefix + f.name.upper()
         if key in env:
             values[f.name] = _parse(f.name, env[key], hints[f.name])
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -104,5 +189,5 @@ def _parse(name: str, raw: str, hint: Any) -> Any:
         if base is str or isinstance(base, types.UnionType):
             return raw
     except ValueError:
-        raise ValidationError(name, f"cannot parse {ENV_PREFIX}{name.upper()}={raw!r}") from None
+        raise ValidationError(name, f"cannot parse {raw!r} as {base.__name__}") from None
     return raw
