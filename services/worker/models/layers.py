@@ -38,6 +38,17 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:  # the fused Triton kernel (add + norm in one pass)
+            from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])  # (tokens[*heads], size): q/k norms are per head
+            res2 = None if residual is None else residual.reshape(-1, shape[-1])
+            out = dispatch.rms_norm(x2, self.weight, self.eps, res2)
+            if residual is None:
+                return out.view(shape)  # type: ignore[union-attr]
+            normed, new_res = out  # type: ignore[misc]
+            return normed.view(shape), new_res.view(shape)
         if residual is None:
             return self._norm(x)
         residual = residual + x
@@ -46,6 +57,10 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(..., 2I) laid out [gate | up] -> (..., I) = silu(gate) * up."""
+    if x.is_cuda and x.dim() == 2:
+        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+        return dispatch.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
