@@ -1,0 +1,1 @@
+"""The kvstore service: content-addressed KV blocks shared by all workers (RAM and disk tiers)."""
