@@ -1,0 +1,161 @@
+"""The worker table: who is registered, in which role, how loaded, and who is still alive.
+
+Pure Python (no grpc/protobuf): the Registry servicer converts messages into the frozen
+dataclasses below. A worker is *live* while its last heartbeat (or registration) is younger
+than `heartbeat_timeout_ms`; only live workers receive traffic. Removing a worker (deregistered,
+or declared dead after a channel failure) makes its next heartbeat answer `known=False`, which
+tells it to register again. Mutated only by the scheduler's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+ROLE_UNIFIED = "unified"
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLES = (ROLE_UNIFIED, ROLE_PREFILL, ROLE_DECODE)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a worker serves (ModelInfo at the boundary)."""
+
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_n: int = 16
+    max_logprobs: int = 20
+    architecture: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Load:
+    """A worker's last load report."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_active_leases: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    address: str
+    kv_events_endpoint: str
+    model: ModelSpec
+    load: Load = field(default_factory=Load)
+    last_heartbeat: float = 0.0  # clock() seconds
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a (re-)registration changed, so the servicer knows what to (re)connect."""
+
+    worker: WorkerInfo
+    is_new: bool
+    address_changed: bool
+    events_changed: bool
+
+
+class WorkerRegistry:
+    def __init__(
+        self, heartbeat_timeout_ms: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if heartbeat_timeout_ms < 1:
+            raise ValueError("heartbeat_timeout_ms must be >= 1")
+        self.timeout_s = heartbeat_timeout_ms / 1000.0
+        self.clock = clock
+        self._workers: dict[str, WorkerInfo] = {}
+
+    def register(
+        self,
+        worker_id: str,
+        role: str,
+        address: str,
+        kv_events_endpoint: str,
+        model: ModelSpec,
+        load: Load | None = None,
+    ) -> Registration:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        old = self._workers.get(worker_id)
+        info = WorkerInfo(
+            worker_id=worker_id,
+            role=role,
+            address=address,
+            kv_events_endpoint=kv_events_endpoint,
+            model=model,
+            load=load or Load(),
+            last_heartbeat=self.clock(),
+        )
+        self._workers[worker_id] = info
+        return Registration(
+            worker=info,
+            is_new=old is None,
+            address_changed=old is None or old.address != address,
+            events_changed=old is None or old.kv_events_endpoint != kv_events_endpoint,
+        )
+
+    def heartbeat(self, worker_id: str, load: Load | None) -> bool:
+        """Record liveness (and load); False when the worker is unknown (it must register)."""
+        old = self._workers.get(worker_id)
+        if old is None:
+            return False
+        self._workers[worker_id] = replace(
+            old, load=load if load is not None else old.load, last_heartbeat=self.clock()
+        )
+        return True
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.pop(worker_id, None)
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def is_live(self, worker_id: str) -> bool:
+        info = self._workers.get(worker_id)
+        return info is not None and self.clock() - info.last_heartbeat <= self.timeout_s
+
+    def live(self, role: str | None = None) -> list[WorkerInfo]:
+        """Live workers (of `role`, if given), in registration order."""
+        now = self.clock()
+        return [
+            w
+            for w in self._workers.values()
+            if now - w.last_heartbeat <= self.timeout_s and (role is None or w.role == role)
+        ]
+
+    def expired(self) -> list[WorkerInfo]:
+        """Registered workers whose heartbeats stopped (still in the table)."""
+        now = self.clock()
+        return [w for w in self._workers.values() if now - w.last_heartbeat > self.timeout_s]
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def model(self, roles: tuple[str, ...] = ROLES) -> ModelSpec | None:
+        """The served model as the live workers of `roles` agree on it: the first one's id and
+        block size, the tightest of their limits. None when no such worker is live."""
+        specs = [w.model for w in self.live() if w.role in roles]
+        if not specs:
+            return None
+        first = specs[0]
+        return replace(
+            first,
+            vocab_size=min(s.vocab_size for s in specs),
+            max_model_len=min(s.max_model_len for s in specs),
+            max_n=min(s.max_n for s in specs),
+            max_logprobs=min(s.max_logprobs for s in specs),
+        )

@@ -1,0 +1,81 @@
+"""Disaggregated flow with fake prefill and decode workers: the KV lease handoff."""
+
+from __future__ import annotations
+
+from harness import Fleet, eventually, letters, run, sampling, tokens_of
+
+from llmfleet.v1 import generation_pb2
+
+LONG = "a prompt long enough for a prefill worker"  # 41 bytes >= threshold 16
+
+
+def _fleet(**kw):
+    return Fleet(mode="disaggregated", short_prompt_threshold=16, routing_policy="least_load", **kw)
+
+
+def test_reserve_prefill_start_decode_and_first_token_once():
+    async def body():
+        async with _fleet() as fleet:
+            d = await fleet.add_worker("d", "decode")
+            p = await fleet.add_worker("p", "prefill")
+            out, text = await fleet.generate(text=LONG, sampling=sampling(max_tokens=6))
+            assert text == letters(len(LONG), 6)  # first token (from p) exactly once
+            assert out[0].deltas[0].token_ids == [ord(letters(len(LONG), 1))]
+            assert d.names() == ["ReserveKV", "StartDecode"]
+            assert p.names() == ["Prefill"]
+            lease = p.requests("Prefill")[0].lease
+            start = d.requests("StartDecode")[0]
+            assert start.lease_id == lease.lease_id and start.epoch == lease.epoch
+            assert start.first_token_id == tokens_of(out, 0)[0]
+            assert out[-1].usage.completion_tokens == 6
+
+    run(body())
+
+
+def test_prefill_failure_releases_lease_and_retries_on_another_prefill_worker():
+    async def body():
+        async with _fleet(max_retries=1) as fleet:
+            d = await fleet.add_worker("d", "decode")
+            p1 = await fleet.add_worker("p1", "prefill", prefill_failures=1)
+            p2 = await fleet.add_worker("p2", "prefill")
+            _, text = await fleet.generate(text=LONG, sampling=sampling(max_tokens=5))
+            assert text == letters(len(LONG), 5)
+            assert d.names() == ["ReserveKV", "ReleaseKV", "ReserveKV", "StartDecode"]
+            first_lease = p1.requests("Prefill")[0].lease
+            assert d.requests("ReleaseKV")[0].lease_id == first_lease.lease_id
+            assert p2.names() == ["Prefill"]
+
+    run(body())
+
+
+def test_short_prompts_and_n2_go_straight_to_decode():
+    async def body():
+        async with _fleet() as fleet:
+            d = await fleet.add_worker("d", "decode")
+            p = await fleet.add_worker("p", "prefill")
+            _, text = await fleet.generate(text="short", sampling=sampling(max_tokens=3))
+            assert text == letters(5, 3)
+            out, _ = await fleet.generate(text=LONG, sampling=sampling(n=2, max_tokens=3))
+            assert out[-1].usage.completion_tokens == 6
+            assert d.names() == ["AddRequest", "AddRequest"] and p.names() == []
+
+    run(body())
+
+
+def test_cancel_during_decode_cancels_on_decode_worker():
+    async def body():
+        async with _fleet() as fleet:
+            d = await fleet.add_worker("d", "decode", step_s=0.02)
+            await fleet.add_worker("p", "prefill")
+            call = fleet.stub.Generate(
+                generation_pb2.GenerateRequest(
+                    request_id="dc", text=LONG, sampling=sampling(max_tokens=100)
+                )
+            )
+            await call.read()
+            await call.read()
+            call.cancel()
+            await eventually(lambda: d.requests("Cancel"), what="Cancel on decode worker")
+            assert d.requests("Cancel")[0].request_id == "dc"
+
+    run(body())

@@ -1,0 +1,148 @@
+"""Routing, KV-event resync, liveness, scheduler restart and migration, with fake workers."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from fakes import prompt_hashes
+from harness import Fleet, eventually, letters, read_rest, run, sampling, tokens_of
+
+from llmfleet.v1 import generation_pb2
+
+PROMPT = "the quick brown fox jumps over"  # 30 bytes: 7 full blocks of 4
+
+
+def _owner(*workers) -> list[str]:
+    return [w.worker_id for w in workers for _ in w.requests("AddRequest")]
+
+
+def test_round_robin_alternates():
+    async def body():
+        async with Fleet(routing_policy="round_robin") as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            for _ in range(4):
+                await fleet.generate(text="hi", sampling=sampling(max_tokens=1))
+            assert len(a.requests("AddRequest")) == 2 and len(b.requests("AddRequest")) == 2
+
+    run(body())
+
+
+def test_prefix_aware_follows_kv_events_and_falls_back_to_load():
+    async def body():
+        async with Fleet(routing_policy="prefix_aware", prefix_load_threshold=2) as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            hashes = prompt_hashes(list(PROMPT.encode()))
+            await b.publish(hashes)
+            await eventually(lambda: fleet.sched.kv.index.matched_prefix("b", hashes) == 7)
+            for _ in range(2):
+                await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
+            assert _owner(a, b) == ["b", "b"]
+            b.load.num_running = 3  # 3 more than a: beyond the threshold of 2
+            await eventually(lambda: fleet.sched.registry.get("b").load.num_running == 3)
+            await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
+            assert len(a.requests("AddRequest")) == 1
+
+    run(body())
+
+
+def test_kv_event_gap_fetches_snapshot_and_routes_correctly():
+    async def body():
+        async with Fleet(routing_policy="prefix_aware") as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            hashes = prompt_hashes(list(PROMPT.encode()))
+            snapshots = b.num_snapshots
+            await b.publish(hashes[:2])
+            await b.publish(hashes[2:], lost=True)  # seq 2 never arrives
+            await b.publish([bytes(32)])  # seq 3: the gap shows
+            await eventually(lambda: b.num_snapshots > snapshots, what="snapshot fetched")
+            await eventually(lambda: fleet.sched.kv.index.matched_prefix("b", hashes) == 7)
+            await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
+            assert _owner(a, b) == ["b"]
+
+    run(body())
+
+
+def test_restarted_scheduler_resyncs_from_snapshots():
+    async def body():
+        async with Fleet(routing_policy="prefix_aware") as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            hashes = prompt_hashes(list(PROMPT.encode()))
+            await b.publish(hashes)
+            port = fleet.server.service.port
+            await fleet.stop_scheduler()
+            await fleet.start_scheduler(port)
+            await eventually(lambda: len(fleet.sched.registry.live()) == 2, what="re-registered")
+            await eventually(lambda: fleet.sched.kv.index.matched_prefix("b", hashes) == 7)
+            assert a.registrations >= 1 and b.registrations >= 1
+            await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
+            assert _owner(a, b) == ["b"]
+
+    run(body())
+
+
+def test_silent_worker_gets_no_traffic_and_late_joiner_does():
+    async def body():
+        async with Fleet(routing_policy="round_robin") as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            a.stop_heartbeats()
+            await eventually(lambda: not fleet.sched.registry.is_live("a"), what="a expired")
+            for _ in range(3):
+                await fleet.generate(text="hi", sampling=sampling(max_tokens=1))
+            assert len(a.requests("AddRequest")) == 0 and len(b.requests("AddRequest")) == 3
+            c = await fleet.add_worker("c")
+            for _ in range(2):
+                await fleet.generate(text="hi", sampling=sampling(max_tokens=1))
+            assert len(c.requests("AddRequest")) == 1 and len(b.requests("AddRequest")) == 4
+
+    run(body())
+
+
+def test_migration_continues_the_stream_without_loss_or_repeat():
+    async def body():
+        async with Fleet(routing_policy="round_robin", max_retries=1) as fleet:
+            a = await fleet.add_worker("a", step_s=0.03)
+            b = await fleet.add_worker("b", step_s=0.005)
+            prompt = list(b"migrate")
+            call = fleet.stub.Generate(
+                generation_pb2.GenerateRequest(
+                    request_id="m1",
+                    tokens=generation_pb2.TokenPrompt(token_ids=prompt),
+                    sampling=sampling(max_tokens=12),
+                )
+            )
+            head = [await call.read() for _ in range(3)]
+            assert a.requests("AddRequest")
+            await a.kill()
+            rest = await read_rest(call)
+            out = head + rest
+            got = bytes(tokens_of(out, 0)).decode()
+            assert got == letters(len(prompt), 12)
+            assert "".join(d.text for r in out for d in r.deltas) == got
+            resubmitted = b.requests("AddRequest")[0]
+            streamed = list(resubmitted.prompt_token_ids)[len(prompt) :]
+            assert list(resubmitted.prompt_token_ids)[: len(prompt)] == prompt
+            assert len(streamed) >= 3 and resubmitted.sampling.max_tokens == 12 - len(streamed)
+            assert out[-1].usage.completion_tokens == 12
+
+    run(body())
+
+
+def test_migration_gives_up_after_max_retries():
+    async def body():
+        async with Fleet(max_retries=1) as fleet:
+            a = await fleet.add_worker("a", step_s=0.03)
+            call = fleet.stub.Generate(
+                generation_pb2.GenerateRequest(text="x", sampling=sampling(max_tokens=50))
+            )
+            await call.read()
+            await a.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_rest(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    run(body())

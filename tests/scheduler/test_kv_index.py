@@ -1,0 +1,83 @@
+"""KV index: consecutive events apply, gaps and first contact resync by snapshot."""
+
+from __future__ import annotations
+
+from llmfleet.services.scheduler.kv_index import KVEvents, KVIndex, KVSnapshot
+
+H = [bytes([i]) * 32 for i in range(10)]
+
+
+def _index() -> tuple[KVIndex, list[str]]:
+    asked: list[str] = []
+    return KVIndex(asked.append), asked
+
+
+def _synced(idx: KVIndex, pub: str = "w", seq: int = 0, hashes=()) -> None:
+    idx.add_publisher(pub)
+    idx.apply_snapshot(KVSnapshot(pub, seq, tuple(hashes)))
+
+
+def test_first_contact_is_stale_until_snapshot():
+    idx, asked = _index()
+    idx.add_publisher("w")
+    assert asked == ["w"] and idx.is_stale("w")
+    idx.apply(KVEvents("w", 3, stored=(H[0],)))  # buffered while stale
+    assert idx.matched_prefix("w", H[:1]) == 0
+    idx.apply_snapshot(KVSnapshot("w", 2, (H[1],)))
+    assert not idx.is_stale("w")
+    assert idx.matched_prefix("w", [H[1], H[0]]) == 2  # snapshot + buffered seq 3
+    assert asked == ["w"]
+
+
+def test_consecutive_events_apply_and_prefix_stops_at_first_miss():
+    idx, asked = _index()
+    _synced(idx)
+    idx.apply(KVEvents("w", 1, stored=(H[0], H[1], H[2])))
+    idx.apply(KVEvents("w", 2, removed=(H[1],)))
+    assert idx.matched_prefix("w", H[:3]) == 1
+    idx.apply(KVEvents("w", 3, stored=(H[5],), cleared=True))
+    assert idx.matched_prefix("w", H[:3]) == 0 and idx.matched_prefix("w", [H[5]]) == 1
+    assert asked == ["w"]
+
+
+def test_gap_requests_snapshot_once_and_replays_newer_events():
+    idx, asked = _index()
+    _synced(idx)
+    idx.apply(KVEvents("w", 1, stored=(H[0],)))
+    idx.apply(KVEvents("w", 3, stored=(H[2],)))  # seq 2 lost
+    assert idx.is_stale("w") and asked == ["w", "w"]
+    idx.apply(KVEvents("w", 4, stored=(H[3],)))
+    assert asked == ["w", "w"]  # one request per resync
+    assert idx.matched_prefix("w", H[:1]) == 0  # stale: scores 0
+    idx.apply_snapshot(KVSnapshot("w", 3, (H[0], H[1], H[2])))
+    assert idx.matched_prefix("w", H[:4]) == 4
+    idx.apply(KVEvents("w", 3, stored=(H[9],)))  # old: already in the snapshot
+    assert idx.matched_prefix("w", [H[9]]) == 0
+
+
+def test_snapshot_older_than_buffer_gap_resyncs_again():
+    idx, asked = _index()
+    idx.add_publisher("w")
+    idx.apply(KVEvents("w", 8, stored=(H[0],)))
+    idx.apply_snapshot(KVSnapshot("w", 5, ()))  # 6 and 7 missing
+    assert idx.is_stale("w") and asked == ["w", "w"]
+    idx.apply_snapshot(KVSnapshot("w", 8, (H[0],)))
+    assert idx.matched_prefix("w", H[:1]) == 1
+
+
+def test_failed_snapshot_is_requested_again_on_next_event():
+    idx, asked = _index()
+    idx.add_publisher("w")
+    idx.snapshot_failed("w")
+    idx.apply(KVEvents("w", 1, stored=(H[0],)))
+    assert asked == ["w", "w"]
+
+
+def test_publishers_are_independent_and_removable():
+    idx, _ = _index()
+    _synced(idx, "a", 0)
+    _synced(idx, "b", 0)
+    idx.apply(KVEvents("a", 1, stored=(H[0],)))
+    assert idx.matched_prefix("a", H[:1]) == 1 and idx.matched_prefix("b", H[:1]) == 0
+    idx.remove_publisher("a")
+    assert idx.matched_prefix("a", H[:1]) == 0 and idx.publishers() == ["b"]

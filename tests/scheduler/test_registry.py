@@ -1,0 +1,76 @@
+"""Worker table: registration, liveness by heartbeat, re-registration."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmfleet.services.scheduler.registry import Load, ModelSpec, WorkerRegistry
+
+MODEL = ModelSpec(model_id="m", vocab_size=300, max_model_len=128, block_size=4)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _reg(clock: Clock) -> WorkerRegistry:
+    return WorkerRegistry(heartbeat_timeout_ms=3000, clock=clock)
+
+
+def test_register_then_live_and_known():
+    clock = Clock()
+    reg = _reg(clock)
+    r = reg.register("w1", "unified", "h:1", "tcp://h:2", MODEL)
+    assert r.is_new and r.address_changed and r.events_changed
+    assert [w.worker_id for w in reg.live()] == ["w1"]
+    assert reg.heartbeat("w1", Load(num_running=3))
+    assert reg.get("w1").load.num_requests == 3
+    assert not reg.heartbeat("nobody", None)
+
+
+def test_silent_worker_gets_no_traffic_and_late_joiner_does():
+    clock = Clock()
+    reg = _reg(clock)
+    reg.register("a", "unified", "h:1", "tcp://h:2", MODEL)
+    clock.t += 2.0
+    reg.register("b", "unified", "h:3", "tcp://h:4", MODEL)
+    clock.t += 1.5  # a: 3.5 s silent, b: 1.5 s
+    assert [w.worker_id for w in reg.live()] == ["b"]
+    assert [w.worker_id for w in reg.expired()] == ["a"]
+    assert not reg.is_live("a") and reg.is_live("b")
+    assert reg.heartbeat("a", None)  # a comes back
+    assert {w.worker_id for w in reg.live()} == {"a", "b"}
+
+
+def test_reregistration_updates_entry():
+    clock = Clock()
+    reg = _reg(clock)
+    reg.register("w", "decode", "h:1", "tcp://h:2", MODEL)
+    r = reg.register("w", "decode", "h:9", "tcp://h:2", MODEL, Load(num_waiting=2))
+    assert not r.is_new and r.address_changed and not r.events_changed
+    assert reg.get("w").address == "h:9" and reg.get("w").load.num_waiting == 2
+    assert len(reg.all()) == 1
+
+
+def test_removed_worker_is_unknown_to_heartbeats():
+    reg = _reg(Clock())
+    reg.register("w", "unified", "h:1", "tcp://h:2", MODEL)
+    assert reg.remove("w") is not None
+    assert not reg.heartbeat("w", None)
+    assert reg.live() == []
+
+
+def test_roles_and_model_limits():
+    reg = _reg(Clock())
+    reg.register("p", "prefill", "h:1", "", MODEL)
+    reg.register("d", "decode", "h:2", "", ModelSpec("m", 300, 64, 4, max_n=2))
+    assert [w.worker_id for w in reg.live("decode")] == ["d"]
+    m = reg.model()
+    assert m.max_model_len == 64 and m.max_n == 2 and m.block_size == 4
+    assert reg.model(("unified",)) is None
+    with pytest.raises(ValueError):
+        reg.register("x", "bogus", "h:3", "", MODEL)
