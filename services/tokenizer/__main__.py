@@ -1,0 +1,67 @@
+"""`python -m llmfleet.services.tokenizer [--host H] [--port P] [--metrics-port M] [--model PATH]`
+
+Flags override `LLMFLEET_TOKENIZER_*` environment variables. Logs go to stderr; nothing is
+printed to stdout. Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the tokenizer cannot be
+loaded, 2 on a bad flag or configuration value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from llmfleet.shared.config import TokenizerConfig, from_env
+from llmfleet.shared.errors import LLMFleetError, ValidationError
+
+logger = logging.getLogger("llmfleet.services.tokenizer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m llmfleet.services.tokenizer",
+        description="The llmfleet tokenizer service (chat rendering, tokenization, "
+        "incremental detokenization).",
+    )
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument(
+        "--model", default=None, help="HF checkpoint directory or .gguf file (default: bundled)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s",
+    )
+    try:
+        config = from_env(
+            TokenizerConfig,
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            model=args.model,
+        )
+    except ValidationError as exc:
+        print(f"error: invalid {exc.field}: {exc.message}", file=sys.stderr)
+        return 2
+    from llmfleet.services.tokenizer.server import serve
+
+    try:
+        asyncio.run(serve(config))
+    except (LLMFleetError, OSError) as exc:
+        logger.error("tokenizer failed: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
