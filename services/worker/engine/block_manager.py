@@ -13,7 +13,13 @@ LRU: blocks are allocated (and their cached content evicted) from the front, fre
 appended at the back; blocks with no cached content are put at the front since they are worth
 nothing. Only unreferenced blocks are ever evicted.
 
-The block manager owns every block's `ref_cnt` and `block_hash`; callers only pass requests.
+The block manager owns every block's `ref_cnt` and `block_hash`; callers pass requests (or,
+for blocks held outside a request, an owner id: a lease's reservation, a pinned prefill).
+
+KV events: with `record_events` on, every hash that enters the prefix cache (registration,
+import) and every hash that leaves it (eviction, reset) is recorded; `drain_events()` returns the
+net change since the last drain, so a subscriber that applies it to the previous set gets
+exactly `cached_hashes()`.
 """
 
 from __future__ import annotations
@@ -108,6 +114,9 @@ class BlockManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}  # per request: leading blocks in the cache
         self.stats = PrefixCacheStats()
+        self.record_events = False
+        # Net cache changes since the last drain: hash -> True (now cached) / False (evicted).
+        self._events: dict[bytes, bool] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -124,6 +133,26 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache now (referenced or not)."""
+        return list(self.cached)
+
+    def num_cached_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of a hash chain are in the prefix cache."""
+        n = 0
+        for h in block_hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) hashes since the last drain (see the module docstring)."""
+        events, self._events = self._events, {}
+        stored = [h for h, cached in events.items() if cached]
+        removed = [h for h, cached in events.items() if not cached]
+        return stored, removed
 
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
         """The longest cached prefix of `req` (whole blocks), leaving >= 1 token to compute.
@@ -172,14 +201,85 @@ class BlockManager:
             b.ref_cnt += 1
             held.append(b)
         for _ in range(max(num_new, 0)):
-            b = self.free_queue.popleft()
-            if b.block_hash is not None:  # evict its cached content
-                if self.cached.get(b.block_hash) is b:
-                    del self.cached[b.block_hash]
-                b.block_hash = None
-            b.ref_cnt = 1
-            held.append(b)
+            held.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> KVBlock:
+        """Pop the LRU free block, evicting its cached content; it comes back with ref_cnt 1."""
+        b = self.free_queue.popleft()
+        if b.block_hash is not None:
+            self._uncache(b)
+        b.ref_cnt = 1
+        return b
+
+    def _uncache(self, b: KVBlock) -> None:
+        h = b.block_hash
+        if h is not None and self.cached.get(h) is b:
+            del self.cached[h]
+            if self.record_events:
+                self._events[h] = False
+        b.block_hash = None
+
+    def _register(self, b: KVBlock, h: bytes) -> None:
+        b.block_hash = h
+        self.cached[h] = b
+        if self.record_events:
+            self._events[h] = True
+
+    def allocate_owned(self, owner: str, num_blocks: int) -> list[int] | None:
+        """Hold `num_blocks` fresh blocks for `owner` (no prefix hits); None if memory is short.
+
+        Used for lease reservations: the owner is not a scheduled request, and its blocks are
+        never preempted. `transfer_owner` later hands them to the request that decodes.
+        """
+        if owner in self.req_blocks:
+            raise ValueError(f"{owner!r} already holds blocks")
+        if num_blocks > self.num_free_blocks:
+            return None
+        held = self.req_blocks[owner] = [self._take_free_block() for _ in range(num_blocks)]
+        self._num_registered[owner] = 0
+        return [b.block_id for b in held]
+
+    def transfer_owner(self, old: str, new: str) -> None:
+        """Rename the holder of a block table (a reservation becoming a running request)."""
+        if new in self.req_blocks:
+            raise ValueError(f"{new!r} already holds blocks")
+        self.req_blocks[new] = self.req_blocks.pop(old)
+        self._num_registered[new] = self._num_registered.pop(old)
+
+    def import_blocks(self, block_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Take free blocks for hashes not cached yet and register them, unreferenced.
+
+        Returns (index into `block_hashes`, block id) for each block the caller must now fill
+        with KV content (before anything can read it: the engine does both between steps).
+        Imported blocks go to the MRU end of the free queue, like any freed cached block; at
+        most `num_free_blocks` are imported so an import never evicts its own blocks.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        out: list[tuple[int, int]] = []
+        budget = self.num_free_blocks
+        for i, h in enumerate(block_hashes):
+            if h in self.cached:
+                continue
+            if len(out) >= budget:
+                break
+            b = self._take_free_block()
+            b.ref_cnt = 0
+            self._register(b, h)
+            self.free_queue.append(b)
+            out.append((i, b.block_id))
+        return out
+
+    def cached_block_ids(self, block_hashes: Sequence[bytes]) -> list[int] | None:
+        """Block ids holding these hashes, or None if any of them is not cached."""
+        out = []
+        for h in block_hashes:
+            b = self.cached.get(h)
+            if b is None:
+                return None
+            out.append(b.block_id)
+        return out
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register `req`'s blocks that are full and computed in the prefix cache."""
@@ -193,17 +293,20 @@ class BlockManager:
         for i in range(start, end):
             b, h = held[i], req.block_hashes[i]
             if b.block_hash is None and h not in self.cached:
-                b.block_hash = h
-                self.cached[h] = b
+                self._register(b, h)
             # else: another block already holds this content; this one stays private.
         self._num_registered[req.request_id] = max(start, end)
 
     def free(self, req: Request) -> None:
         """Release every block `req` holds (finish, abort or preemption). Idempotent."""
-        held = self.req_blocks.pop(req.request_id, None)
-        self._num_registered.pop(req.request_id, None)
+        self.free_owner(req.request_id)
+
+    def free_owner(self, owner: str) -> bool:
+        """Release every block held under `owner`; False if it held none. Idempotent."""
+        held = self.req_blocks.pop(owner, None)
+        self._num_registered.pop(owner, None)
         if not held:
-            return
+            return False
         # Tail blocks first: when a prefix is evicted, its deepest blocks should go first.
         for b in reversed(held):
             b.ref_cnt -= 1
@@ -212,10 +315,10 @@ class BlockManager:
                     self.free_queue.appendleft(b)
                 else:
                     self.free_queue.append(b)
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached content of unreferenced blocks."""
-        for h, b in list(self.cached.items()):
+        for b in list(self.cached.values()):
             if b.ref_cnt == 0:
-                del self.cached[h]
-                b.block_hash = None
+                self._uncache(b)

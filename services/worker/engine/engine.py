@@ -14,6 +14,21 @@ and recompute at most the last partial block. Seeded requests give completion i 
 The engine works in token ids; stop strings need text, so the caller that detokenizes (the
 offline `LLM` API, or the tokenizer service in the fleet) calls `stop_request` when one
 matches.
+
+KV hooks for the worker (all synchronous; the caller runs them between steps, never while
+`step` runs on another thread):
+  - `read_blocks` / `import_cached_blocks`: KV of blocks as a CPU payload
+    (nb, num_layers, 2, block_size, num_kv_heads, head_dim), and the reverse: payload blocks
+    registered as unreferenced prefix-cache content, which a later request then hits;
+  - prefill-only requests (`add_request(prefill_only=True)`): they leave the engine after
+    their first token (output `finished` with `finish_reason` None unless the token ended the
+    sequence) but keep their blocks pinned, so the worker can read them, until
+    `release_pinned` (or `abort`);
+  - reservations (lease side): `reserve` holds fresh blocks under an owner id (the lease id),
+    `write_reserved` fills them, `start_decode` turns them into a running sequence whose
+    prompt is computed and whose first token is appended, `release_reserved` frees them.
+Every path that ends a request, pin or reservation returns its blocks: after all of them end,
+`num_free_blocks` is back at its idle value.
 """
 
 from __future__ import annotations
@@ -90,6 +105,8 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # by client request id
         self._deferred: dict[str, list[Request]] = {}  # leader seq id -> siblings to admit
         self._pending_outputs: list[RequestOutput] = []
+        self._pinned: dict[str, Request] = {}  # prefill-only requests done, blocks held
+        self._reserved: dict[str, int] = {}  # reservation owner (lease id) -> blocks held
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -104,11 +121,37 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str = "",
+        prefill_only: bool = False,
     ) -> None:
-        """Validate and queue a request. Raises ValidationError or CapacityError."""
+        """Validate and queue a request. Raises ValidationError or CapacityError.
+
+        `prefill_only` (n must be 1): the request stops after its first token and keeps its
+        blocks pinned until `release_pinned` (see the module docstring).
+        """
+        self.validate_request(request_id, prompt_token_ids, params)
+        if prefill_only and params.n != 1:
+            raise ValidationError("sampling.n", "must be 1 for a prefill")
+        seqs = self._make_sequences(request_id, prompt_token_ids, params, cache_salt)
+        for s in seqs:
+            s.prefill_only = prefill_only
+        self._groups[request_id] = seqs
+        for s in seqs:
+            self._requests[s.request_id] = s
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            if self.config.enable_prefix_caching:
+                self._deferred[seqs[0].request_id] = seqs[1:]
+            else:
+                for s in seqs[1:]:
+                    self.scheduler.add(s)
+
+    def validate_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Every check `add_request` makes; raises ValidationError or CapacityError."""
         if not request_id:
             raise ValidationError("request_id", "must not be empty")
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self.block_manager.req_blocks:
             raise ValidationError("request_id", f"{request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValidationError("prompt", "must not be empty")
@@ -133,6 +176,14 @@ class LLMEngine:
                 f"request needs {needed} KV blocks but the cache has "
                 f"{self.block_manager.num_blocks}"
             )
+
+    def _make_sequences(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+    ) -> list[Request]:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.info.eos_token_ids)
@@ -155,19 +206,14 @@ class LLMEngine:
                     index=i,
                 )
             )
-        self._groups[request_id] = seqs
-        for s in seqs:
-            self._requests[s.request_id] = s
-        self.scheduler.add(seqs[0])
-        if len(seqs) > 1:
-            if self.config.enable_prefix_caching:
-                self._deferred[seqs[0].request_id] = seqs[1:]
-            else:
-                for s in seqs[1:]:
-                    self.scheduler.add(s)
+        return seqs
 
     def abort(self, request_id: str) -> bool:
-        """Abort every sequence of a client request; False if it is unknown or already done."""
+        """Abort every sequence of a client request; False if it is unknown or already done.
+
+        A prefill-only request that is done but pinned is released."""
+        if self.release_pinned(request_id):
+            return True
         seqs = self._groups.get(request_id)
         if not seqs:
             return False
@@ -182,6 +228,37 @@ class LLMEngine:
         if req is not None and not req.is_finished:
             req.stop_reason = stop_reason
             self._finish(req, RequestStatus.FINISHED_STOPPED, emit=False)
+
+    def cancel(
+        self, request_id: str, index: int | None = None, stop_string: str | None = None
+    ) -> bool:
+        """Abort (or, with `stop_string`, stop) one completion or all of them.
+
+        Aborted sequences emit a final output (finish reason "abort"); stopped ones do not,
+        since the caller that matched the stop string already ended the completion upstream.
+        False when the request (or that completion) is not running here.
+        """
+        if index is None and stop_string is None:
+            return self.abort(request_id)
+        seqs = self._groups.get(request_id)
+        if not seqs:
+            return request_id in self._pinned and self.release_pinned(request_id)
+        targets = seqs if index is None else [s for s in seqs if s.index == index]
+        live = [s for s in targets if not s.is_finished]
+        for s in live:
+            if stop_string is None:
+                self._finish(s, RequestStatus.FINISHED_ABORTED)
+            else:
+                self.stop_request(s.request_id, stop_string)
+        return bool(live)
+
+    def request_ids(self) -> list[str]:
+        """Client request ids with unfinished sequences, and done-but-pinned prefills."""
+        return [*self._groups, *self._pinned]
+
+    def has_request(self, request_id: str) -> bool:
+        """True while some sequence of the request is unfinished."""
+        return request_id in self._groups
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -223,6 +300,8 @@ class LLMEngine:
             token = sampled.token_ids[r]
             req.append_output(token, sampled.logprobs[r])
             status = self._check_finished(req, token)
+            if status is None and req.prefill_only:
+                status = RequestStatus.PREFILLED
             if status is not None:
                 self._finish(req, status, emit=False)
             outputs.append(self._output(req, [token], [sampled.logprobs[r]]))
@@ -240,7 +319,10 @@ class LLMEngine:
         return None
 
     def _finish(self, req: Request, status: RequestStatus, *, emit: bool = True) -> None:
-        self.scheduler.finish(req, status)
+        pin = req.prefill_only and status is not RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish(req, status, free_blocks=not pin)
+        if pin:
+            self._pinned[req.request_id] = req
         deferred = self._deferred.pop(req.request_id, None)
         if deferred:  # the leader ended before its siblings were admitted: admit them now
             for sib in deferred:
@@ -266,11 +348,161 @@ class LLMEngine:
             new_token_ids=tokens,
             new_logprobs=logprobs,
             finished=finished,
-            finish_reason=req.status.value if finished else None,
+            finish_reason=(
+                req.status.value if finished and req.status is not RequestStatus.PREFILLED else None
+            ),
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
         )
+
+    # ---- KV hooks (see the module docstring) ------------------------------------------------
+    @property
+    def kv_block_shape(self) -> tuple[int, int, int, int, int]:
+        """(num_layers, 2, block_size, num_kv_heads, head_dim): one block's payload."""
+        return self.runner.block_shape
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_caches[0].dtype
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """KV of these blocks as a CPU tensor (nb, num_layers, 2, block_size, Hkv, head_dim)."""
+        return self.runner.read_blocks(block_ids)
+
+    def read_cached_blocks(self, block_hashes: list[bytes]) -> torch.Tensor | None:
+        """KV of the cached blocks with these hashes; None if any of them is not cached."""
+        ids = self.block_manager.cached_block_ids(block_hashes)
+        return None if ids is None else self.runner.read_blocks(ids)
+
+    def num_cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        return self.block_manager.num_cached_prefix(block_hashes)
+
+    def import_cached_blocks(self, block_hashes: list[bytes], payload: torch.Tensor) -> int:
+        """Register payload blocks as prefix-cache content (unreferenced); how many were new.
+
+        `payload[i]` is the KV of `block_hashes[i]`. Hashes already cached are skipped; when
+        free blocks run short, the rest is not imported.
+        """
+        if payload.shape[0] != len(block_hashes):
+            raise ValueError(f"{payload.shape[0]} payload blocks for {len(block_hashes)} hashes")
+        if tuple(payload.shape[1:]) != self.kv_block_shape:
+            raise ValueError(f"payload block shape {tuple(payload.shape[1:])} is not ours")
+        placed = self.block_manager.import_blocks(block_hashes)
+        if placed:
+            rows = torch.tensor([i for i, _ in placed], dtype=torch.long)
+            self.runner.write_blocks([b for _, b in placed], payload.index_select(0, rows))
+        return len(placed)
+
+    def pinned_block_ids(self, request_id: str) -> list[int]:
+        """The blocks of a done prefill-only request, in block-table order."""
+        if request_id not in self._pinned:
+            raise KeyError(request_id)
+        return self.block_manager.block_ids(request_id)
+
+    def release_pinned(self, request_id: str) -> bool:
+        req = self._pinned.pop(request_id, None)
+        if req is None:
+            return False
+        self.block_manager.free(req)
+        return True
+
+    def reserve(self, owner: str, num_tokens: int) -> int:
+        """Hold blocks for `num_tokens` tokens of KV that will be written in; returns how many.
+
+        Raises CapacityError when the free blocks (including evictable cached ones) are short.
+        """
+        if num_tokens < 1:
+            raise ValidationError("num_prompt_tokens", f"must be >= 1, got {num_tokens}")
+        if num_tokens >= self.max_model_len:
+            raise ValidationError(
+                "num_prompt_tokens",
+                f"{num_tokens} tokens leave no room to generate within the context length "
+                f"{self.max_model_len}",
+            )
+        num_blocks = self.block_manager.blocks_needed(num_tokens)
+        if self.block_manager.allocate_owned(owner, num_blocks) is None:
+            raise CapacityError(
+                f"{num_blocks} KV blocks needed, {self.block_manager.num_free_blocks} free"
+            )
+        self._reserved[owner] = num_blocks
+        return num_blocks
+
+    def write_reserved(self, owner: str, first_block: int, payload: torch.Tensor) -> None:
+        """Copy payload blocks into a reservation's blocks [first_block, first_block + nb)."""
+        num_blocks = self._reserved.get(owner)
+        if num_blocks is None:
+            raise KeyError(owner)
+        nb = payload.shape[0]
+        if first_block < 0 or first_block + nb > num_blocks:
+            raise ValueError(
+                f"blocks [{first_block}, {first_block + nb}) outside the {num_blocks} reserved"
+            )
+        ids = self.block_manager.block_ids(owner)[first_block : first_block + nb]
+        self.runner.write_blocks(ids, payload)
+
+    def release_reserved(self, owner: str) -> bool:
+        if self._reserved.pop(owner, None) is None:
+            return False
+        self.block_manager.free_owner(owner)
+        return True
+
+    def start_decode(
+        self,
+        owner: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        *,
+        cache_salt: str = "",
+    ) -> None:
+        """Turn reservation `owner` into a running request whose prompt KV is in its blocks.
+
+        The request starts with num_computed_tokens = prompt length and `first_token_id`
+        appended (it is not emitted again); its full prompt blocks enter the prefix cache. A
+        seeded request's generator is advanced past the first token's draw, so its tokens equal
+        those of a run that sampled the first token here.
+        """
+        num_blocks = self._reserved.get(owner)
+        if num_blocks is None:
+            raise KeyError(owner)
+        self.validate_request(request_id, prompt_token_ids, params)
+        if params.n != 1:
+            raise ValidationError("sampling.n", "must be 1 for a disaggregated request")
+        if self.block_manager.blocks_needed(len(prompt_token_ids)) != num_blocks:
+            raise ValidationError(
+                "prompt_token_ids",
+                f"{len(prompt_token_ids)} tokens do not fill the {num_blocks} reserved blocks",
+            )
+        if not 0 <= first_token_id < self.info.vocab_size:
+            raise ValidationError("first_token_id", f"{first_token_id} is outside the vocabulary")
+        [req] = self._make_sequences(request_id, prompt_token_ids, params, cache_salt)
+        if req.generator is not None and not params.greedy:
+            # The sampler drew V exponentials from it for the first token (see sampler.py).
+            torch.empty(self.info.vocab_size, device=self.device).exponential_(
+                generator=req.generator
+            )
+        del self._reserved[owner]
+        self.block_manager.transfer_owner(owner, request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = 0
+        req.append_output(first_token_id, None)
+        self.block_manager.cache_full_blocks(req)
+        self._groups[request_id] = [req]
+        self._requests[request_id] = req
+        self.scheduler.add_running(req)
+        status = self._check_finished(req, first_token_id)
+        if status is not None:
+            self._finish(req, status)
+
+    def drain_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) prefix-cache hashes since the last call (enables recording)."""
+        self.block_manager.record_events = True
+        return self.block_manager.drain_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.block_manager.cached_hashes()
 
     # ---- stats -----------------------------------------------------------------------------
     @property
@@ -280,6 +512,10 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(self._reserved.values())
 
     @property
     def num_waiting(self) -> int:

@@ -58,6 +58,39 @@ class ModelRunner:
             block_manager.num_blocks * kv_bytes_per_block(info, bs, dtype) / 2**20,
         )
 
+    # ---- KV block copies (export, import, lease transfer) ------------------------------------
+    # A payload is (nb, num_layers, 2, block_size, num_kv_heads, head_dim): block-major, so
+    # payload[i] is one block's wire frame; the cache is layer-major with blocks on dim 1.
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy blocks out of the cache to a contiguous CPU tensor (see the layout above)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        per_layer = [kv.index_select(1, idx) for kv in self.kv_caches]  # L x (2, nb, bs, H, D)
+        out = torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5)  # (nb, L, 2, bs, H, D)
+        return out.to("cpu").contiguous()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Copy a payload (nb, L, 2, bs, H, D) into cache blocks `block_ids`, in order."""
+        if payload.shape[0] != len(block_ids) or tuple(payload.shape[1:]) != self.block_shape:
+            raise ValueError(
+                f"payload shape {tuple(payload.shape)} does not match "
+                f"({len(block_ids)}, {', '.join(map(str, self.block_shape))})"
+            )
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        src = payload.to(device=self.device, dtype=self.kv_caches[0].dtype)
+        src = src.permute(1, 2, 0, 3, 4, 5)  # (L, 2, nb, bs, H, D)
+        for layer, kv in enumerate(self.kv_caches):
+            kv.index_copy_(1, idx, src[layer])
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block's payload shape: (num_layers, 2, block_size, num_kv_heads, head_dim)."""
+        kv = self.kv_caches[0]
+        return (len(self.kv_caches), 2, kv.shape[2], kv.shape[3], kv.shape[4])
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         input_ids: list[int] = []

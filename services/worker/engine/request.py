@@ -30,6 +30,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # eos, a stop token id, or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length
     FINISHED_ABORTED = "abort"
+    # Prefill-only request after its first token: out of the engine, its blocks still pinned
+    # (readable) until the worker releases them. Not a finish reason of the API.
+    PREFILLED = "prefilled"
 
     @property
     def finished(self) -> bool:
@@ -40,6 +43,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.PREFILLED,
 }
 
 
@@ -55,6 +59,7 @@ class Request:
     parent_id: str | None = None  # for n > 1: the client's request id
     index: int = 0  # which of the n completions
     arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False  # stop after the first token, keeping the blocks (see engine)
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -99,8 +99,19 @@ class Scheduler:
             budget -= n
         return out
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End `req` (finished or aborted) wherever it is, freeing its blocks."""
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose KV is already in its blocks (a lease turned into a sequence).
+
+        It joins `running` directly: its blocks are allocated and `num_computed_tokens` set by
+        the caller, so there is nothing to admit. It may exceed `max_num_seqs` by the number of
+        such requests; preemption treats it like any other running request.
+        """
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, *, free_blocks: bool = True) -> None:
+        """End `req` (finished or aborted) wherever it is, freeing its blocks unless told not to
+        (a prefill-only request keeps them pinned until the engine releases them)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif not req.status.finished:
@@ -109,7 +120,8 @@ class Scheduler:
             except ValueError:
                 pass
         req.status = status
-        self.bm.free(req)
+        if free_blocks:
+            self.bm.free(req)
 
     def _preempt(self, req: Request) -> None:
         self.bm.free(req)

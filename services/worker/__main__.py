@@ -1,0 +1,87 @@
+"""`python -m llmfleet.services.worker [flags]`: run a worker until SIGTERM/SIGINT (exit 0).
+
+Flags override `LLMFLEET_WORKER_*` (service) and `LLMFLEET_*` (engine) environment variables
+(see shared/config.py). On SIGTERM the worker turns NOT_SERVING, deregisters, lets in-flight
+requests finish within the grace period (aborting the rest) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import zmq
+
+from llmfleet.services.worker.server import serve
+from llmfleet.shared.config import WORKER_ROLES, EngineConfig, WorkerConfig, from_env
+from llmfleet.shared.errors import LLMFleetError, ValidationError
+
+_WORKER_FLAGS = (
+    "host", "port", "metrics_port", "role", "worker_id", "scheduler_address",
+    "kvstore_address", "kvstore_endpoint", "lease_ttl_ms", "kv_push_timeout_ms",
+)  # fmt: skip
+_ENGINE_FLAGS = (
+    "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len",
+)  # fmt: skip
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, EngineConfig, float]:
+    p = argparse.ArgumentParser(
+        prog="python -m llmfleet.services.worker",
+        description="llmfleet worker: one engine core serving a role (unified, prefill, decode)",
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any)")
+    p.add_argument("--role", choices=WORKER_ROLES, help="default unified")
+    p.add_argument("--worker-id", help="unique id (default: derived from address and pid)")
+    p.add_argument("--scheduler", dest="scheduler_address", help="Registry HOST:PORT")
+    p.add_argument("--kvstore", dest="kvstore_address", help="kvstore gRPC HOST:PORT")
+    p.add_argument("--kvstore-endpoint", help="kvstore ZMQ data endpoint tcp://HOST:PORT")
+    p.add_argument("--lease-ttl-ms", type=int, help="default lifetime of KV leases granted here")
+    p.add_argument("--kv-push-timeout-ms", type=int, help="prefill: wait this long for acks")
+    p.add_argument("--grace-s", type=float, default=10.0, help="drain period on SIGTERM")
+    p.add_argument("--model", help="HF checkpoint directory or .gguf file (default: bundled)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
+    p.add_argument("--max-num-seqs", type=int, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step")
+    p.add_argument("--max-model-len", type=int, help="context length cap")
+    args = vars(p.parse_args(argv))
+    try:
+        worker = from_env(WorkerConfig, **{k: args[k] for k in _WORKER_FLAGS})
+        engine = from_env(EngineConfig, **{k: args[k] for k in _ENGINE_FLAGS})
+    except ValidationError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
+    return worker, engine, args["grace_s"]
+
+
+async def _run(worker: WorkerConfig, engine: EngineConfig, grace_s: float) -> None:
+    server = await serve(worker, engine, install_signal_handlers=True, grace_s=grace_s)
+    await server.wait_for_termination()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    worker, engine, grace_s = parse_config(argv)
+    try:
+        asyncio.run(_run(worker, engine, grace_s))
+    except (LLMFleetError, OSError, zmq.ZMQError) as e:
+        logging.getLogger("llmfleet.services.worker").error("worker failed: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

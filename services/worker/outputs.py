@@ -1,0 +1,100 @@
+"""Where a worker's step outputs go: `TokenBatch` pushes to reply endpoints, and metrics.
+
+One PUSH socket per distinct reply endpoint, created on first use (linger 0). Sends never block
+the engine loop: a requester that stopped reading (its queue full) loses messages, with a log
+line; the scheduler notices a dead peer by its own means.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import prometheus_client
+import zmq
+import zmq.asyncio
+
+from llmfleet.services.worker.engine.engine import RequestOutput
+from llmfleet.shared.convert import FINISH_TO_PB, logprobs_to_pb
+from llmfleet.v1 import dataplane_pb2
+
+logger = logging.getLogger(__name__)
+
+# Metric names follow vLLM's, so existing dashboards read them.
+NUM_RUNNING = prometheus_client.Gauge(
+    "vllm:num_requests_running", "Sequences running in the engine", ["model_name"]
+)
+NUM_WAITING = prometheus_client.Gauge(
+    "vllm:num_requests_waiting", "Sequences waiting to be scheduled", ["model_name"]
+)
+KV_USAGE = prometheus_client.Gauge(
+    "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", ["model_name"]
+)
+PROMPT_TOKENS = prometheus_client.Counter(
+    "vllm:prompt_tokens", "Prompt tokens admitted", ["model_name"]
+)
+GENERATION_TOKENS = prometheus_client.Counter(
+    "vllm:generation_tokens", "Tokens generated", ["model_name"]
+)
+PREFIX_QUERIES = prometheus_client.Counter(
+    "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model_name"]
+)
+PREFIX_HITS = prometheus_client.Counter(
+    "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model_name"]
+)
+
+
+def sequence_output_to_pb(out: RequestOutput) -> dataplane_pb2.SequenceOutput:
+    pb = dataplane_pb2.SequenceOutput(
+        request_id=out.request_id,
+        index=out.index,
+        token_ids=out.new_token_ids,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+    if any(lp is not None for lp in out.new_logprobs):
+        pb.logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs if lp is not None)
+    if out.finish_reason is not None:
+        pb.finish_reason = FINISH_TO_PB[out.finish_reason]
+        if isinstance(out.stop_reason, int):
+            pb.stop_token_id = out.stop_reason
+    return pb
+
+
+class ReplySinks:
+    def __init__(self, ctx: zmq.asyncio.Context, worker_id: str) -> None:
+        self.ctx = ctx
+        self.worker_id = worker_id
+        self._socks: dict[str, zmq.asyncio.Socket] = {}
+
+    def _sock(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        return sock
+
+    async def send(
+        self, step: int, outputs: list[RequestOutput], endpoint_of: dict[str, str]
+    ) -> None:
+        """One TokenBatch per endpoint with that endpoint's outputs; unknown requests skipped."""
+        by_endpoint: dict[str, list[dataplane_pb2.SequenceOutput]] = defaultdict(list)
+        for out in outputs:
+            endpoint = endpoint_of.get(out.request_id)
+            if endpoint:
+                by_endpoint[endpoint].append(sequence_output_to_pb(out))
+        for endpoint, seq_outputs in by_endpoint.items():
+            batch = dataplane_pb2.TokenBatch(
+                worker_id=self.worker_id, step=step, outputs=seq_outputs
+            )
+            try:
+                await self._sock(endpoint).send(batch.SerializeToString(), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("reply endpoint %s is not reading; step %d dropped", endpoint, step)
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()

@@ -1,0 +1,170 @@
+"""A worker among its peers: registration with a (fake) scheduler Registry, and the shared
+kvstore (a prompt first served by worker A is found cached by worker B)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from worker_helpers import BS, Replies, add_request_pb, prompt, start_worker, stats, stub
+
+from llmfleet.services.kvstore.server import serve as serve_kvstore
+from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.services.worker.models.loader import load_model
+from llmfleet.shared.config import KVStoreConfig
+from llmfleet.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def loaded(make_checkpoint_module):
+    return load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
+
+
+def run(coro, timeout: float = 60.0):
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+class FakeRegistry(registry_pb2_grpc.RegistryServicer):
+    """Forgets the worker once after its first heartbeat, like a restarted scheduler."""
+
+    def __init__(self) -> None:
+        self.registrations: list[registry_pb2.RegisterWorkerRequest] = []
+        self.heartbeats = 0
+        self.deregistered: list[str] = []
+        self.forget_once = True
+
+    async def RegisterWorker(self, request, context):
+        self.registrations.append(request)
+        return registry_pb2.RegisterWorkerResponse(heartbeat_interval_ms=20)
+
+    async def Heartbeat(self, request, context):
+        self.heartbeats += 1
+        known = not self.forget_once
+        self.forget_once = False
+        return registry_pb2.HeartbeatResponse(known=known)
+
+    async def DeregisterWorker(self, request, context):
+        self.deregistered.append(request.worker_id)
+        return registry_pb2.DeregisterWorkerResponse()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def health_status(address: str) -> int:
+    stub = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(address))
+    resp = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+    return resp.status
+
+
+def test_registers_heartbeats_and_reregisters_when_forgotten(loaded):
+    async def body():
+        port = free_port()
+        w = await start_worker(
+            loaded, role="decode", worker_id="w-1", scheduler_address=f"127.0.0.1:{port}"
+        )
+        registry = FakeRegistry()
+        server = grpc.aio.server()
+        try:
+            await asyncio.sleep(0.3)  # scheduler down: the worker keeps serving, NOT_SERVING
+            assert await health_status(w.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            registry_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            while len(registry.registrations) < 2 or registry.heartbeats < 3:
+                await asyncio.sleep(0.02)
+            first = registry.registrations[0]
+            assert first.worker_id == "w-1"
+            assert first.role == common_pb2.WORKER_ROLE_DECODE
+            assert first.address == w.address
+            assert first.kv_events_endpoint == w.kv_events_endpoint
+            assert first.model.model_id == loaded.info.model_id
+            assert first.model.vocab_size == loaded.info.vocab_size
+            assert first.model.block_size == BS
+            assert first.load.num_total_blocks == 64
+            assert await health_status(w.address) == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await w.stop()
+            await server.stop(0)
+        assert registry.deregistered == ["w-1"]
+
+    run(body())
+
+
+def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
+    ids = prompt(loaded, 21, seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        kv = await serve_kvstore(KVStoreConfig(ram_bytes=64 << 20))
+        kw = dict(kvstore_address=kv.address, kvstore_endpoint=kv.data_endpoint)
+        a = await start_worker(loaded, **kw)
+        b = await start_worker(loaded, **kw)
+        replies = Replies(ctx)
+        try:
+            ra = await stub(a).AddRequest(add_request_pb("x", ids, params, replies.endpoint))
+            assert ra.num_cached_tokens == 0
+            [ca] = await replies.until_finished("x")
+            for _ in range(200):
+                if (await stats(a)).kvstore_blocks_stored == 5:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await stats(a)).kvstore_blocks_stored == 5  # 21 tokens: 5 full blocks
+
+            rb = await stub(b).AddRequest(add_request_pb("y", ids, params, replies.endpoint))
+            assert rb.num_cached_tokens == 20
+            [cb] = await replies.until_finished("y")
+            assert cb.tokens == ca.tokens
+            assert cb.num_cached_tokens == 20
+            st = await stats(b)
+            assert st.kvstore_blocks_fetched == 5
+            assert st.kvstore_blocks_stored == 0  # the kvstore had every full block already
+        finally:
+            replies.close()
+            await a.stop()
+            await b.stop()
+            await kv.stop(0)
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
+def test_cli_serves_and_exits_zero_on_sigterm(make_checkpoint_module):
+    ckpt = make_checkpoint_module("llama")
+    cmd = [
+        sys.executable, "-m", "llmfleet.services.worker", "--model", str(ckpt), "--port", "0",
+        "--block-size", "4", "--num-kv-blocks", "32", "--role", "decode", "--grace-s", "1",
+    ]  # fmt: skip
+    env = {**os.environ, "LLMFLEET_WORKER_LEASE_TTL_MS": "5000"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving" in line and "kv_endpoint=tcp://" in line:
+                break
+        assert proc.poll() is None, "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stdout is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,201 @@
+"""In-process worker servicers over loopback gRPC and ZMQ: the aggregated path, cancellation,
+KV events, validation errors and health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from worker_helpers import (
+    BS,
+    Replies,
+    add_request_pb,
+    prompt,
+    reference_tokens,
+    start_worker,
+    stats,
+    stub,
+)
+
+from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.services.worker.models.loader import load_model
+from llmfleet.shared.block_hash import HashContext, hash_block_chain
+from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(make_checkpoint_module):
+    return load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
+
+
+def run(coro, timeout: float = 60.0):
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+def test_add_request_streams_the_engine_tokens(loaded):
+    ids = prompt(loaded, 13)
+    n2 = SamplingParams(n=2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref, ref2 = reference_tokens(loaded, ids, GREEDY), reference_tokens(loaded, ids, n2)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        w = await start_worker(loaded)
+        replies = Replies(ctx)
+        try:
+            health = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(w.address))
+            h = await health.Check(health_pb2.HealthCheckRequest(service="llmfleet.v1.Worker"))
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+            s = stub(w)
+            resp = await s.AddRequest(add_request_pb("r1", ids, GREEDY, replies.endpoint))
+            assert resp.num_cached_tokens == 0
+            [c] = await replies.until_finished("r1")
+            assert c.tokens == ref[0]
+            assert c.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert replies.batches[0].worker_id == w.worker_id
+            assert replies.batches[0].outputs[0].num_prompt_tokens == 13
+
+            resp = await s.AddRequest(add_request_pb("r2", ids, n2, replies.endpoint))
+            assert resp.num_cached_tokens == 12  # r1's three full prompt blocks
+            c0, c1 = await replies.until_finished("r2", n=2)
+            assert [c0.tokens, c1.tokens] == [ref2[0], ref2[1]]
+
+            st = await stats(w)
+            assert st.load.num_free_blocks == st.load.num_total_blocks == 64
+            assert st.load.num_running == st.load.num_waiting == 0
+            assert st.prefix_cache_hits >= 12
+        finally:
+            replies.close()
+            await w.stop()
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
+def test_validation_and_capacity_errors_have_status_codes(loaded):
+    async def body():
+        w = await start_worker(loaded, engine_kw=dict(num_kv_blocks=16))
+        try:
+            s = stub(w)
+            ep = "tcp://127.0.0.1:1"
+            cases = [
+                (add_request_pb("a", [loaded.info.vocab_size], GREEDY, ep), "prompt_token_ids"),
+                (add_request_pb("a", [1, 2], GREEDY, ""), "reply_endpoint"),
+                (add_request_pb("", [1, 2], GREEDY, ep), "request_id"),
+            ]
+            bad = add_request_pb("a", [1, 2], GREEDY, ep)
+            bad.sampling.temperature = 5.0
+            cases.append((bad, "sampling.temperature"))
+            for req, field in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await s.AddRequest(req)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field in e.value.details()
+            big = SamplingParams(max_tokens=40, temperature=0.0)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await s.AddRequest(add_request_pb("a", prompt(loaded, 40), big, ep))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # a unified worker has no role restriction; a prefill-only RPC on it without a
+            # lease is a validation error
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await s.Prefill(worker_pb2.PrefillRequest(request_id="p", prompt_token_ids=[1]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await w.stop()
+
+    run(body())
+
+
+def test_cancel_mid_stream_frees_every_block(loaded):
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        w = await start_worker(loaded)
+        replies = Replies(ctx)
+        try:
+            s = stub(w)
+            await s.AddRequest(add_request_pb("c", prompt(loaded, 9), long, replies.endpoint))
+            n2 = SamplingParams(n=2, max_tokens=200, temperature=0.0, ignore_eos=True)
+            await s.AddRequest(add_request_pb("d", prompt(loaded, 9), n2, replies.endpoint))
+            while len(replies.completions[("c", 0)].tokens) < 3:
+                await replies.next_batch()
+            assert (await s.Cancel(worker_pb2.CancelRequest(request_id="c"))).found
+            [c] = await replies.until_finished("c")
+            assert c.finish_reason == common_pb2.FINISH_REASON_ABORT
+            assert len(c.tokens) < 200
+            # one completion stopped upstream by a stop string, the other aborted
+            stop = worker_pb2.CancelRequest(
+                request_id="d", index=0, reason=common_pb2.FINISH_REASON_STOP, stop_string="x"
+            )
+            assert (await s.Cancel(stop)).found
+            assert (await s.Cancel(worker_pb2.CancelRequest(request_id="d", index=1))).found
+            assert not (await s.Cancel(worker_pb2.CancelRequest(request_id="nope"))).found
+            for _ in range(100):
+                st = await stats(w)
+                if st.load.num_running == 0 and st.load.num_free_blocks == 64:
+                    break
+                await asyncio.sleep(0.02)
+            assert st.load.num_free_blocks == st.load.num_total_blocks
+            assert st.load.num_running == st.load.num_waiting == 0
+        finally:
+            replies.close()
+            await w.stop()
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
+def test_kv_events_are_consecutive_and_match_the_snapshot(loaded):
+    ids = prompt(loaded, 17, seed=3)
+    hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.info.model_id, cache_salt="s"))
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        w = await start_worker(loaded)
+        replies = Replies(ctx)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(w.kv_events_endpoint)
+        try:
+            await asyncio.sleep(0.3)  # let the subscription reach the publisher
+            s = stub(w)
+            await s.AddRequest(add_request_pb("e", ids, GREEDY, replies.endpoint, salt="s"))
+            await replies.until_finished("e")
+            events: list[dataplane_pb2.KVEventBatch] = []
+            held: set[bytes] = set()
+            while True:
+                try:
+                    raw = await asyncio.wait_for(sub.recv(), 0.5)
+                except TimeoutError:
+                    break
+                ev = dataplane_pb2.KVEventBatch.FromString(raw)
+                events.append(ev)
+                held.difference_update(ev.removed)
+                held.update(ev.stored)
+            assert [e.seq for e in events] == list(range(1, len(events) + 1))
+            assert all(e.publisher_id == w.worker_id for e in events)
+            assert set(hashes) <= held  # the prompt's 4 full blocks (and generated ones)
+            assert set(events[0].stored) == set(hashes)  # the prompt was one chunk
+            snap = await s.GetKVSnapshot(worker_pb2.GetKVSnapshotRequest())
+            assert snap.seq == events[-1].seq
+            assert set(snap.block_hashes) == held
+            assert snap.publisher_id == w.worker_id
+        finally:
+            sub.close(linger=0)
+            replies.close()
+            await w.stop()
+            ctx.destroy(linger=0)
+
+    run(body())
