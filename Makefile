@@ -31,8 +31,11 @@ proto: $(STAMP)
 	rm -rf $(PROTO_OUT)/llmfleet
 	$(BIN)/python shared/protogen.py proto $(PROTO_OUT)
 
+# The whole fleet on this machine (kvstore, tokenizer, scheduler, a worker) with the bundled
+# model on CPU, and a chat with it on this terminal; the fleet stops when the chat ends.
+# `llmfleet up` alone keeps serving for other clients (`llmfleet generate`, `llmfleet chat`).
 run: $(STAMP)
-	$(BIN)/llmfleet chat --offline
+	$(BIN)/llmfleet up --chat --quiet
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

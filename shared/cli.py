@@ -112,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
         "`llmfleet: serving on HOST:PORT` once every one is SERVING, stop them on SIGINT/SIGTERM.",
     )
     _up_args(up)
+    up.add_argument(
+        "--chat",
+        action="store_true",
+        help="once serving, chat with the fleet on this terminal; the fleet stops when the "
+        "chat ends (an empty line or Ctrl-D)",
+    )
+    up.add_argument("--system", default=None, help="--chat: system message")
+    up.add_argument("--timeout", type=float, default=None, help="--chat: seconds per reply")
+    _sampling_args(up)
     return parser
 
 
@@ -340,7 +349,21 @@ def cmd_up(args: argparse.Namespace) -> int:
         echo=not args.quiet,
         startup_timeout_s=args.startup_timeout,
     )
-    return run(spec)
+    session = None
+    if args.chat:
+
+        def session(endpoint: str) -> int:
+            # The engine flags chose the fleet's model; the chat itself is a plain client.
+            chat_args = argparse.Namespace(**vars(args))
+            chat_args.endpoint, chat_args.model, chat_args.device, chat_args.dtype = (
+                endpoint,
+                None,
+                None,
+                None,
+            )
+            return remote_chat(chat_args)
+
+    return run(spec, session=session)
 
 
 # ---- main ---------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -433,19 +433,29 @@ def _write_line(stream: IO[str], line: str) -> None:
         stream.flush()
 
 
-def run(spec: FleetSpec, *, out: IO[str] | None = None) -> int:
+def run(
+    spec: FleetSpec,
+    *,
+    out: IO[str] | None = None,
+    session: Callable[[str], int] | None = None,
+) -> int:
     """`llmfleet up`: start, print the endpoint, run until SIGINT/SIGTERM or a child dies.
 
+    With `session` (e.g. an interactive chat), call it with the endpoint once the fleet serves
+    and stop the fleet when it returns; its return value is the exit status.
     Returns the exit status: 0 after a requested stop, 1 when the fleet failed to start or a
     child exited on its own.
     """
     out = out or sys.stdout
     stop = threading.Event()
     fleet = Fleet(spec)
+    in_session = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
         fleet.interrupt()
+        if in_session.is_set():
+            raise KeyboardInterrupt  # a blocking read in the session would otherwise resume
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -457,6 +467,14 @@ def run(spec: FleetSpec, *, out: IO[str] | None = None) -> int:
             _write_line(sys.stderr, f"llmfleet: the fleet did not start: {exc}")
             return 1
         print(f"llmfleet: serving on {fleet.endpoint}", file=out, flush=True)
+        if session is not None:
+            in_session.set()
+            try:
+                return session(fleet.endpoint)
+            except KeyboardInterrupt:
+                return 0
+            finally:
+                in_session.clear()
         _write_line(sys.stderr, f"llmfleet: logs in {fleet.log_dir}; Ctrl-C stops the fleet")
         while not stop.wait(0.2):
             dead = fleet.poll()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -173,3 +175,31 @@ def test_malformed_frames_on_every_data_plane_socket_are_survived(client, fleet)
     res = client.generate(token_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(res.completions[0].token_ids) == 4
     assert all(c.proc is not None and c.proc.poll() is None for c in fleet.children)
+
+
+def test_up_with_chat_serves_a_conversation_then_stops(model):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmfleet.shared.cli",
+            "up",
+            "--port",
+            "0",
+            "--model",
+            model,
+            "--no-kvstore",
+            "--quiet",
+            "--chat",
+            "--max-tokens",
+            "4",
+        ],  # fmt: skip
+        input="hello\nand again\n\n",
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("llmfleet: serving on")
+    assert len(lines) == 3  # the serving line, then one reply line per user turn
