@@ -53,6 +53,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py
+	$(BIN)/python benchmarks/fleet_bench.py
 
 bench-gpu:
 	python3 -m llmfleet.kernels.bench_attention

@@ -9,14 +9,6 @@ _LATENCY_BUCKETS = (
     7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 
-NUM_RUNNING = prom.Gauge(
-    "vllm:num_requests_running", "Requests submitted to a worker", ["model_name"]
-)
-NUM_WAITING = prom.Gauge(
-    "vllm:num_requests_waiting",
-    "Requests admitted but not yet submitted to a worker",
-    ["model_name"],
-)
 REQUEST_SUCCESS = prom.Counter(
     "vllm:request_success", "Finished requests", ["model_name", "finished_reason"]
 )

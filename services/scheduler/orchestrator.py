@@ -53,6 +53,7 @@ from llmfleet.shared.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.config import SchedulerConfig
 from llmfleet.shared.convert import FINISH_FROM_PB, sampling_from_pb, sampling_to_pb
 from llmfleet.shared.errors import CapacityError, ValidationError
+from llmfleet.shared.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.service import Unavailable
 from llmfleet.v1 import (
     common_pb2,
@@ -210,7 +211,7 @@ class Scheduler:
                 f"{self.config.max_queued_requests} requests are queued or running; retry later"
             )
         label = model.model_id
-        metrics.NUM_WAITING.labels(label).inc()
+        NUM_REQUESTS_WAITING.labels(label).inc()
         self._pending[request_id] = False
         run: RequestRun | None = None
         try:
@@ -239,7 +240,7 @@ class Scheduler:
         finally:
             self._pending.pop(request_id, None)
             if run is None or run.submitted_at is None:
-                metrics.NUM_WAITING.labels(label).dec()
+                NUM_REQUESTS_WAITING.labels(label).dec()
             if run is not None:
                 self._finish(run)
 
@@ -294,8 +295,8 @@ class Scheduler:
         if run.submitted_at is None:
             run.submitted_at = time.perf_counter()
             metrics.QUEUE_TIME.labels(run.model.model_id).observe(run.submitted_at - run.arrival)
-            metrics.NUM_WAITING.labels(run.model.model_id).dec()
-            metrics.NUM_RUNNING.labels(run.model.model_id).inc()
+            NUM_REQUESTS_WAITING.labels(run.model.model_id).dec()
+            NUM_REQUESTS_RUNNING.labels(run.model.model_id).inc()
 
     def _candidates(
         self, run: RequestRun, role: str, hashes: Sequence[bytes], use_prefix: bool
@@ -680,7 +681,7 @@ class Scheduler:
         self.runs.pop(run.request_id, None)
         label = run.model.model_id
         if run.submitted_at is not None:
-            metrics.NUM_RUNNING.labels(label).dec()
+            NUM_REQUESTS_RUNNING.labels(label).dec()
         if run.done:
             reason = run.completions[0].finish_reason or "abort"
             metrics.REQUEST_SUCCESS.labels(label, reason).inc()

@@ -21,12 +21,6 @@ from llmfleet.v1 import dataplane_pb2
 logger = logging.getLogger(__name__)
 
 # Metric names follow vLLM's, so existing dashboards read them.
-NUM_RUNNING = prometheus_client.Gauge(
-    "vllm:num_requests_running", "Sequences running in the engine", ["model_name"]
-)
-NUM_WAITING = prometheus_client.Gauge(
-    "vllm:num_requests_waiting", "Sequences waiting to be scheduled", ["model_name"]
-)
 KV_USAGE = prometheus_client.Gauge(
     "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", ["model_name"]
 )

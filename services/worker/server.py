@@ -39,8 +39,6 @@ from llmfleet.services.worker.models.loader import LoadedModel, load_model
 from llmfleet.services.worker.outputs import (
     GENERATION_TOKENS,
     KV_USAGE,
-    NUM_RUNNING,
-    NUM_WAITING,
     PREFIX_HITS,
     PREFIX_QUERIES,
     PROMPT_TOKENS,
@@ -53,6 +51,7 @@ from llmfleet.shared.convert import logprobs_to_pb, model_info_to_pb, sampling_f
 from llmfleet.shared.errors import LLMFleetError, ValidationError
 from llmfleet.shared.kv_events import KVEventPublisher
 from llmfleet.shared.kvstore_client import KVStoreClient
+from llmfleet.shared.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.service import FailedPrecondition, Service, abort_with
 from llmfleet.shared.transport import (
     Frame,
@@ -298,8 +297,8 @@ class WorkerServer(worker_pb2_grpc.WorkerServicer):
         engine, name, c = self.engine, self.model_name, self.counters
         if engine is None:
             return
-        NUM_RUNNING.labels(name).set(engine.num_running)
-        NUM_WAITING.labels(name).set(engine.num_waiting)
+        NUM_REQUESTS_RUNNING.labels(name).set(engine.num_running)
+        NUM_REQUESTS_WAITING.labels(name).set(engine.num_waiting)
         KV_USAGE.labels(name).set(engine.block_manager.usage)
         if num_generated:
             GENERATION_TOKENS.labels(name).inc(num_generated)

@@ -1,0 +1,114 @@
+"""Fleet vs in-process engine on this machine: TTFT and inter-token latency at low load.
+
+    make bench      # runs benchmarks/engine_bench.py, then this
+    .venv/bin/python benchmarks/fleet_bench.py [--requests 8] [--max-tokens 64]
+
+One run measures, on the bundled SmolLM2 (float32, CPU), sequential single requests (low
+load): through the in-process engine (`LLM.stream`) and through a real aggregated fleet on
+loopback (kvstore, tokenizer, scheduler, one unified worker; gRPC streaming client). Tokens
+are timed as they arrive; ITL = (last token time - first token time) / (tokens - 1).
+Targets: fleet ITL <= 1.10x in-process, fleet TTFT <= in-process + 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from llmfleet.services.worker.engine.llm import LLM
+from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.shared.client import GenerationClient
+from llmfleet.shared.config import EngineConfig
+from llmfleet.shared.launcher import Fleet, FleetSpec
+
+
+def prompts(tokenizer, count: int, n_tokens: int) -> list[list[int]]:
+    out = []
+    for i in range(count):
+        text = " ".join(f"Request {i} sentence {j}: a bench of llamas." for j in range(n_tokens))
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens])
+    return out
+
+
+def timings(token_times: list[float], start: float) -> tuple[float, float]:
+    ttft = token_times[0] - start
+    itl = (token_times[-1] - token_times[0]) / max(len(token_times) - 1, 1)
+    return ttft, itl
+
+
+def bench_in_process(llm: LLM, ps: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    res = []
+    for p in ps:
+        start = time.perf_counter()
+        times: list[float] = []
+        for delta in llm.stream(p, params):
+            now = time.perf_counter()
+            times.extend([now] * len(delta.token_ids))
+        res.append(timings(times, start))
+    return res
+
+
+def bench_fleet(endpoint: str, ps: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+    res = []
+    with GenerationClient(endpoint) as client:
+        for p in ps:
+            start = time.perf_counter()
+            times: list[float] = []
+            for delta in client.stream(
+                token_ids=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+            ):
+                now = time.perf_counter()
+                times.extend([now] * len(delta.token_ids))
+            res.append(timings(times, start))
+    return res
+
+
+def summary(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    llm = LLM(EngineConfig())
+    ps = prompts(llm.tokenizer, args.requests + 1, args.prompt_tokens)
+    bench_in_process(llm, ps[:1], 4)  # warm-up
+    ours = bench_in_process(llm, ps[1:], args.max_tokens)
+    del llm
+    with Fleet(FleetSpec(port=0, workers=1, echo=False)) as fleet:
+        bench_fleet(fleet.endpoint, ps[:1], 4)  # warm-up
+        # Distinct prompts so neither side gets prefix-cache hits.
+        fleet_rows = bench_fleet(fleet.endpoint, [p[::-1] for p in ps[1:]], args.max_tokens)
+    ttft_in, itl_in = summary(ours)
+    ttft_fl, itl_fl = summary(fleet_rows)
+    print(
+        f"\n# llmfleet fleet bench — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, float32, SmolLM2-135M, "
+        f"{args.requests} sequential requests, {args.prompt_tokens}-token prompts, "
+        f"{args.max_tokens} output tokens (medians)"
+    )
+    print("| metric | in-process engine | fleet (gRPC + ZMQ, 4 services) | fleet vs in-process |")
+    print("|---|---|---|---|")
+    print(
+        f"| TTFT (ms) | {ttft_in * 1e3:.1f} | {ttft_fl * 1e3:.1f} | "
+        f"{(ttft_fl - ttft_in) * 1e3:+.1f} ms |"
+    )
+    print(
+        f"| inter-token latency (ms) | {itl_in * 1e3:.2f} | {itl_fl * 1e3:.2f} | "
+        f"{itl_fl / itl_in:.3f}x |"
+    )
+    print("\ntargets: ITL <= 1.10x, TTFT <= +10 ms")
+
+
+if __name__ == "__main__":
+    main()
