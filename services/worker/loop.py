@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
+from llmfleet.services.worker.outputs import ENGINE_STEP_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class EngineLoop:
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self._step_seconds = ENGINE_STEP_SECONDS.labels(engine.info.model_id)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -99,6 +102,7 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             stepped = False
             if self.engine.has_unfinished():
+                started = time.perf_counter()
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
                 except Exception:
@@ -108,6 +112,7 @@ class EngineLoop:
                 else:
                     self.num_steps += 1
                     stepped = True
+                    self._step_seconds.observe(time.perf_counter() - started)
             if did_ops or stepped:
                 try:
                     await self._on_iteration(self.num_steps, outputs)

@@ -33,6 +33,12 @@ GENERATION_TOKENS = prometheus_client.Counter(
 PREFIX_QUERIES = prometheus_client.Counter(
     "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model_name"]
 )
+ENGINE_STEP_SECONDS = prometheus_client.Histogram(
+    "llmfleet:engine_step_seconds",
+    "Wall time of one engine step (forward pass + sampling) on the worker",
+    ["model_name"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
 PREFIX_HITS = prometheus_client.Counter(
     "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model_name"]
 )

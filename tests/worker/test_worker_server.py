@@ -11,6 +11,7 @@ import torch
 import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 from worker_helpers import (
     BS,
     Replies,
@@ -57,6 +58,8 @@ def test_add_request_streams_the_engine_tokens(loaded):
             h = await health.Check(health_pb2.HealthCheckRequest(service="llmfleet.v1.Worker"))
             assert h.status == health_pb2.HealthCheckResponse.SERVING
             s = stub(w)
+            step_count = {"model_name": loaded.info.model_id}
+            steps0 = REGISTRY.get_sample_value("llmfleet:engine_step_seconds_count", step_count)
             resp = await s.AddRequest(add_request_pb("r1", ids, GREEDY, replies.endpoint))
             assert resp.num_cached_tokens == 0
             [c] = await replies.until_finished("r1")
@@ -64,6 +67,8 @@ def test_add_request_streams_the_engine_tokens(loaded):
             assert c.finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert replies.batches[0].worker_id == w.worker_id
             assert replies.batches[0].outputs[0].num_prompt_tokens == 13
+            steps1 = REGISTRY.get_sample_value("llmfleet:engine_step_seconds_count", step_count)
+            assert steps1 - (steps0 or 0) >= len(ref[0])  # one step per generated token at least
 
             resp = await s.AddRequest(add_request_pb("r2", ids, n2, replies.endpoint))
             assert resp.num_cached_tokens == 12  # r1's three full prompt blocks
