@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+import urllib.request
 
 import torch
 
@@ -69,6 +70,17 @@ def bench_fleet(endpoint: str, ps: list[list[int]], max_tokens: int) -> list[tup
     return res
 
 
+def step_seconds(metrics_port: str) -> tuple[float, float]:
+    """(sum, count) of the worker's `llmfleet:engine_step_seconds` histogram."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    values = {"sum": 0.0, "count": 0.0}
+    for line in text.decode().splitlines():
+        for key in values:
+            if line.startswith(f"llmfleet:engine_step_seconds_{key}{{"):
+                values[key] += float(line.rsplit(" ", 1)[1])
+    return values["sum"], values["count"]
+
+
 def summary(rows: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
 
@@ -78,6 +90,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker")
     args = ap.parse_args()
 
     llm = LLM(EngineConfig())
@@ -85,10 +98,16 @@ def main() -> None:
     bench_in_process(llm, ps[:1], 4)  # warm-up
     ours = bench_in_process(llm, ps[1:], args.max_tokens)
     del llm
-    with Fleet(FleetSpec(port=0, workers=1, echo=False)) as fleet:
+    env = {"LLMFLEET_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {}
+    with Fleet(FleetSpec(port=0, workers=1, echo=False, env=env)) as fleet:
         bench_fleet(fleet.endpoint, ps[:1], 4)  # warm-up
+        [worker] = fleet.workers
+        metrics_port = worker.argv[worker.argv.index("--metrics-port") + 1]
+        before = step_seconds(metrics_port)
         # Distinct prompts so neither side gets prefix-cache hits.
         fleet_rows = bench_fleet(fleet.endpoint, [p[::-1] for p in ps[1:]], args.max_tokens)
+        after = step_seconds(metrics_port)
+    step_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
     ttft_in, itl_in = summary(ours)
     ttft_fl, itl_fl = summary(fleet_rows)
     print(
@@ -106,6 +125,10 @@ def main() -> None:
     print(
         f"| inter-token latency (ms) | {itl_in * 1e3:.2f} | {itl_fl * 1e3:.2f} | "
         f"{itl_fl / itl_in:.3f}x |"
+    )
+    print(
+        f"| worker engine step inside the fleet (ms, mean) | — | {step_ms:.2f} | "
+        f"{step_ms / (itl_in * 1e3):.3f}x of in-process ITL |"
     )
     print("\ntargets: ITL <= 1.10x, TTFT <= +10 ms")
 
