@@ -59,8 +59,9 @@ class TokenizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request_iterator, context):
-        """One stream per completion: a DetokenizeStart, then token batches; answers one response
-        per request message with the text that is safe to emit. Stop strings are applied here.
+        """One stream per completion: a DetokenizeStart (not answered), then token batches, each
+        answered by exactly one response with the text that is safe to emit. Stop strings are
+        applied here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
