@@ -24,7 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, interpreting, launchable
+from llmfleet.kernels.triton_utils import (
+    check_last_dim_contiguous,
+    check_q_and_kv_cache,
+    interpreting,
+    launchable,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -152,15 +157,7 @@ def _check(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
 ) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache must be (2, blocks, block_size, heads, dim), got {kv_cache.shape}"
-        )
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q must be (tokens, k * {num_kv_heads}, {head_dim}), got {q.shape}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    block_size, num_kv_heads, head_dim = check_q_and_kv_cache(q, kv_cache)
     num_seqs = seq_lens.shape[0]
     if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise ValueError(f"seq_lens must be int32 (num_seqs,), got {seq_lens.dtype}")

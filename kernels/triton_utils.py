@@ -43,3 +43,18 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     """Kernels index the last dimension with unit stride; every other stride is an argument."""
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
+
+
+def check_q_and_kv_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """Validate q (rows, k * num_kv_heads, head_dim) against a paged cache
+    (2, num_blocks, block_size, num_kv_heads, head_dim); returns (block_size, Hkv, head_dim)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must be (2, blocks, block_size, heads, dim), got {kv_cache.shape}"
+        )
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be (rows, k * {num_kv_heads}, {head_dim}), got {q.shape}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    return block_size, num_kv_heads, head_dim

@@ -56,6 +56,17 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has unwound (a no-op for None)."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """End the RPC with the status code of `exc` and its message (raises AbortError)."""
     code = status_for(exc)

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from llmfleet.services.worker.lease import LeaseError
 from llmfleet.shared.errors import LLMFleetError
-from llmfleet.shared.service import FailedPrecondition, Unavailable
+from llmfleet.shared.service import FailedPrecondition, Unavailable, cancel_and_wait
 from llmfleet.shared.transport import Frame, MalformedFrame, decode, encode, recv_loop, tensor_frame
 from llmfleet.v1 import dataplane_pb2
 
@@ -66,11 +66,7 @@ class _Dealer:
         fut.set_result(ack)
 
     async def close(self) -> None:
-        self.reader.cancel()
-        try:
-            await self.reader
-        except asyncio.CancelledError:
-            pass
+        await cancel_and_wait(self.reader)
         self.sock.close(linger=0)
         for fut in self.waiters.values():
             fut.cancel()
@@ -190,9 +186,5 @@ class KVReceiver:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
         self.sock.close(linger=0)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
 from llmfleet.services.worker.outputs import ENGINE_STEP_SECONDS
+from llmfleet.shared.service import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,7 @@ class EngineLoop:
     async def stop(self) -> None:
         """Stop looping (a step in flight finishes on its thread; nothing runs after it)."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

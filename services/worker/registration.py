@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
+from llmfleet.shared.service import cancel_and_wait
 from llmfleet.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -100,11 +101,7 @@ class Registrar:
     async def deregister(self) -> None:
         """Stop heartbeating and leave the pool (best effort)."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
         if self.registered.is_set():
             try:
