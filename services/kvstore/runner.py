@@ -37,6 +37,12 @@ BYTES = prometheus_client.Gauge("llmfleet:kvstore_bytes", "Bytes held, per tier"
 EVICTIONS = prometheus_client.Counter(
     "llmfleet:kvstore_evictions_total", "Blocks evicted by the byte budget, per tier", ["tier"]
 )
+BLOCKS = prometheus_client.Gauge("llmfleet:kvstore_blocks", "Blocks held, per tier", ["tier"])
+# Payload bytes through the data plane: op "put" (received from workers, new or not) and
+# "get" (served to workers).
+TRANSFER_BYTES = prometheus_client.Counter(
+    "llmfleet:kvstore_transfer_bytes_total", "KV payload bytes put and served", ["op"]
+)
 
 
 class StoreRunner:
@@ -55,12 +61,16 @@ class StoreRunner:
         await self._call_and_publish(lambda: None)
 
     async def put(self, layout: str, hashes: Sequence[bytes], payloads: Sequence[Payload]) -> int:
-        return await self._call_and_publish(
+        stored = await self._call_and_publish(
             functools.partial(self.store.put, layout, hashes, payloads)
         )
+        TRANSFER_BYTES.labels("put").inc(sum(len(p) for p in payloads))
+        return stored
 
     async def get(self, layout: str, hashes: Sequence[bytes]) -> list[Payload]:
-        return await self._call_and_publish(functools.partial(self.store.get, layout, hashes))
+        got = await self._call_and_publish(functools.partial(self.store.get, layout, hashes))
+        TRANSFER_BYTES.labels("get").inc(sum(len(p) for p in got))
+        return got
 
     async def lookup(self, layout: str, hashes: Sequence[bytes]) -> int:
         return await self._call(functools.partial(self.store.lookup, layout, hashes))
@@ -93,5 +103,6 @@ class StoreRunner:
             HITS.labels(t.tier).inc(t.hits - prev.hits)
             EVICTIONS.labels(t.tier).inc(t.evictions - prev.evictions)
             BYTES.labels(t.tier).set(t.bytes)
+            BLOCKS.labels(t.tier).set(t.num_blocks)
         MISSES.inc(stats.misses - self._seen.misses)
         self._seen = stats

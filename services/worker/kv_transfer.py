@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import prometheus_client
 import torch
 import zmq
 import zmq.asyncio
@@ -31,6 +32,23 @@ from llmfleet.v1 import dataplane_pb2
 logger = logging.getLogger(__name__)
 
 AckKey = tuple[str, int, str]  # lease id, epoch, transfer id
+
+# direction "push": a prefill worker's whole lease transfer, first send to last ack;
+# direction "receive": one accepted push on the decode worker, arrival to its blocks written.
+KV_TRANSFER_BYTES = prometheus_client.Counter(
+    "llmfleet:kv_transfer_bytes", "KV payload bytes moved between workers", ["direction"]
+)
+KV_TRANSFER_SECONDS = prometheus_client.Histogram(
+    "llmfleet:kv_transfer_seconds",
+    "Duration of KV transfers between workers",
+    ["direction"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+KV_TRANSFER_FAILURES = prometheus_client.Counter(
+    "llmfleet:kv_transfer_failures",
+    "KV transfers that failed: pushes unacknowledged or rejected, pushes received and rejected",
+    ["direction"],
+)
 
 
 @dataclass
@@ -128,6 +146,7 @@ class KVPusher:
                     await dealer.sock.send_multipart(frames, copy=False)
                 acks = await asyncio.gather(*futs)
         except TimeoutError:
+            KV_TRANSFER_FAILURES.labels("push").inc()
             self._dealers.pop(endpoint, None)
             await dealer.close()
             raise Unavailable(
@@ -139,10 +158,12 @@ class KVPusher:
                 dealer.waiters.pop(k, None)
         for ack in acks:
             if not ack.ok:
+                KV_TRANSFER_FAILURES.labels("push").inc()
                 raise FailedPrecondition(f"decode worker rejected the KV push: {ack.error}")
-        return PushResult(
-            num_bytes=nb * block_bytes, transfer_us=int((time.perf_counter() - start) * 1e6)
-        )
+        seconds = time.perf_counter() - start
+        KV_TRANSFER_BYTES.labels("push").inc(nb * block_bytes)
+        KV_TRANSFER_SECONDS.labels("push").observe(seconds)
+        return PushResult(num_bytes=nb * block_bytes, transfer_us=int(seconds * 1e6))
 
     async def close(self) -> None:
         for dealer in self._dealers.values():
@@ -170,6 +191,7 @@ class KVReceiver:
     async def _on_message(self, frames: list[Frame]) -> None:
         if len(frames) < 2:
             raise MalformedFrame(f"{len(frames)} frames: no routing id and header")
+        start = time.perf_counter()
         identity, rest = frames[0], frames[1:]
         header, payload = decode(rest, dataplane_pb2.KVTransferHeader)
         if not header.lease_id or not header.transfer_id:
@@ -181,7 +203,11 @@ class KVReceiver:
             await self._handler(header, payload)
         except (LeaseError, MalformedFrame, LLMFleetError, ValueError) as e:
             ack.ok, ack.error = False, str(e)
+            KV_TRANSFER_FAILURES.labels("receive").inc()
             logger.info("rejected KV push for lease %s: %s", header.lease_id, e)
+        else:
+            KV_TRANSFER_BYTES.labels("receive").inc(sum(len(f) for f in payload))
+            KV_TRANSFER_SECONDS.labels("receive").observe(time.perf_counter() - start)
         await self.sock.send_multipart([identity, *encode(ack)])
 
     async def stop(self) -> None:

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import prometheus_client
+
 
 class LeaseState(enum.Enum):
     RESERVED = "reserved"
@@ -40,6 +42,15 @@ class LeaseState(enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in (LeaseState.COMMITTED, LeaseState.RELEASED, LeaseState.EXPIRED)
+
+
+# The decode worker's view of the handoff: leases granted ("reserved") and ended, by how they
+# ended. The scheduler counts its own view (`llmfleet:lease_outcomes_total`).
+LEASE_TRANSITIONS = prometheus_client.Counter(
+    "llmfleet:kv_leases",
+    "KV leases granted (state=reserved) and ended (committed, released, expired)",
+    ["state"],
+)
 
 
 class LeaseError(Exception):
@@ -98,6 +109,7 @@ class LeaseTable:
             expires_at=self._clock() + ttl_s,
         )
         self._active[lease.lease_id] = lease
+        LEASE_TRANSITIONS.labels(LeaseState.RESERVED.value).inc()
         return lease
 
     def get(self, lease_id: str, epoch: int) -> Lease:
@@ -163,6 +175,7 @@ class LeaseTable:
 
     def _end(self, lease: Lease, state: LeaseState) -> None:
         lease.state = state
+        LEASE_TRANSITIONS.labels(state.value).inc()
         del self._active[lease.lease_id]
         self._ended[lease.lease_id] = lease
         while len(self._ended) > self._max_ended:

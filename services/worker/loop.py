@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
-from llmfleet.services.worker.outputs import ENGINE_STEP_SECONDS
+from llmfleet.services.worker.outputs import StepMetrics
 from llmfleet.shared.service import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class EngineLoop:
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
-        self._step_seconds = ENGINE_STEP_SECONDS.labels(engine.info.model_id)
+        self._metrics = StepMetrics(engine)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -109,7 +109,7 @@ class EngineLoop:
                 else:
                     self.num_steps += 1
                     stepped = True
-                    self._step_seconds.observe(time.perf_counter() - started)
+                    self._metrics.on_step(time.perf_counter() - started, self.engine.last_step_cost)
             if did_ops or stepped:
                 try:
                     await self._on_iteration(self.num_steps, outputs)

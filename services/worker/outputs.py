@@ -11,10 +11,12 @@ import logging
 from collections import defaultdict
 
 import prometheus_client
+import torch
 import zmq
 import zmq.asyncio
 
-from llmfleet.services.worker.engine.engine import RequestOutput
+from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
+from llmfleet.services.worker.engine.flops import StepCost
 from llmfleet.shared.convert import FINISH_TO_PB, logprobs_to_pb
 from llmfleet.v1 import dataplane_pb2
 
@@ -42,6 +44,61 @@ ENGINE_STEP_SECONDS = prometheus_client.Histogram(
 PREFIX_HITS = prometheus_client.Counter(
     "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model_name"]
 )
+CACHE_CONFIG_INFO = prometheus_client.Gauge(
+    "vllm:cache_config_info",
+    "KV cache configuration, in the labels (the value is always 1)",
+    ["model_name", "block_size", "num_gpu_blocks", "cache_dtype"],
+)
+# The model's work as `flops.estimate_step_cost` counts it, per device: rate() over a device's
+# peak FLOP/s and bytes/s is MFU and bandwidth use (the dashboard templates the peaks).
+ESTIMATED_FLOPS = prometheus_client.Counter(
+    "llmfleet:estimated_flops",
+    "Estimated FLOPs of the model's forward passes",
+    ["model_name", "device"],
+)
+ESTIMATED_READ_BYTES = prometheus_client.Counter(
+    "llmfleet:estimated_read_bytes",
+    "Estimated bytes the forward passes read (weights once per step, KV context)",
+    ["model_name", "device"],
+)
+ESTIMATED_WRITE_BYTES = prometheus_client.Counter(
+    "llmfleet:estimated_write_bytes",
+    "Estimated bytes the forward passes write (new K and V)",
+    ["model_name", "device"],
+)
+
+
+def device_label(device: torch.device) -> str:
+    """`cpu`, `cuda:0`, ...: a CUDA device without an index is the current one."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+class StepMetrics:
+    """The engine-level metrics the engine loop updates after each step it ran; created with
+    the engine (which publishes the cache configuration once)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        name = engine.info.model_id
+        bm = engine.block_manager
+        CACHE_CONFIG_INFO.labels(
+            name,
+            str(bm.block_size),
+            str(bm.num_blocks),
+            str(engine.kv_dtype).removeprefix("torch."),
+        ).set(1)
+        device = device_label(engine.device)
+        self._seconds = ENGINE_STEP_SECONDS.labels(name)
+        self._flops = ESTIMATED_FLOPS.labels(name, device)
+        self._read = ESTIMATED_READ_BYTES.labels(name, device)
+        self._write = ESTIMATED_WRITE_BYTES.labels(name, device)
+
+    def on_step(self, seconds: float, cost: StepCost) -> None:
+        self._seconds.observe(seconds)
+        self._flops.inc(cost.flops)
+        self._read.inc(cost.read_bytes)
+        self._write.inc(cost.write_bytes)
 
 
 def sequence_output_to_pb(out: RequestOutput) -> dataplane_pb2.SequenceOutput:

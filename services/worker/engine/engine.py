@@ -39,6 +39,12 @@ from dataclasses import dataclass
 import torch
 
 from llmfleet.services.worker.engine.block_manager import BlockManager
+from llmfleet.services.worker.engine.flops import (
+    StepBatch,
+    StepCost,
+    estimate_step_cost,
+    model_shape,
+)
 from llmfleet.services.worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmfleet.services.worker.engine.request import Request, RequestStatus
 from llmfleet.services.worker.engine.sampler import Sampler, SamplingRow, TokenLogprobs
@@ -100,6 +106,8 @@ class LLMEngine:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.model_shape = model_shape(self.model, self.kv_dtype.itemsize)
+        self.last_step_cost = StepCost()  # of the latest step (zero: it ran no batch)
         self.limits = SamplingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)
         self._requests: dict[str, Request] = {}  # by sequence id
         self._groups: dict[str, list[Request]] = {}  # by client request id
@@ -267,6 +275,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
+        self.last_step_cost = estimate_step_cost(self.model_shape, StepBatch.of(sched))
         if not sched:
             return outputs
         step = self.runner.execute(sched)
