@@ -4,6 +4,7 @@
     llmfleet generate [--endpoint HOST:PORT] [--raw] [--max-tokens N] [--n N] [--stream] PROMPT
     llmfleet chat [--endpoint HOST:PORT] [--system TEXT]
     llmfleet generate --offline ... PROMPT       (the engine in this process, no fleet)
+    llmfleet bench serve [--backend grpc|openai|openai-chat] [--dataset-name ...] ...
 
 `generate` and `chat` talk gRPC to a fleet (`--endpoint`, else `LLMFLEET_ENDPOINT`, else
 127.0.0.1:50051); `--offline` runs the engine in this process instead. Only completions go to
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
+from llmfleet.shared.benchserve import args as bench_args
 from llmfleet.shared.errors import LLMFleetError, ValidationError
 
 logger = logging.getLogger("llmfleet")
@@ -121,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--system", default=None, help="--chat: system message")
     up.add_argument("--timeout", type=float, default=None, help="--chat: seconds per reply")
     _sampling_args(up)
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser(
+        "serve",
+        help="serving benchmark: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots",
+        epilog=bench_args.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_args.add_arguments(serve)
     return parser
 
 
@@ -409,6 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             return cmd_up(args)
+        if args.command == "bench":
+            from llmfleet.shared.benchserve.runner import main as bench_serve
+
+            return bench_serve(args)
         if args.offline:
             return offline_generate(args) if args.command == "generate" else offline_chat(args)
         return remote_generate(args) if args.command == "generate" else remote_chat(args)
