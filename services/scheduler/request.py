@@ -91,6 +91,10 @@ class RequestRun:
     def done(self) -> bool:
         return all(c.finished for c in self.completions)
 
+    def next_wire_id(self) -> str:
+        """The wire id of the next leg: the request id, then `<request id>/<leg number>`."""
+        return self.request_id if self.num_legs == 0 else f"{self.request_id}/{self.num_legs}"
+
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
 

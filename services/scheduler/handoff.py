@@ -1,0 +1,205 @@
+"""The disaggregated handoff, scheduler side: lease on D, prefill on P, first token, decode on D.
+
+    first = await handoff.prefill(run)      # (leg, first token output), or None: D prefills
+    ... the orchestrator streams the first token ...
+    await handoff.start_decode(run)         # D decodes; on failure the request migrates
+    handoff.release(run, "released")        # whatever way the request ends
+
+Sequence (docs/fleet.md): pick decode D (least load) and prefill P (the routing policy);
+`D.ReserveKV` returns a lease; `P.Prefill(lease)` prefills, pushes the KV to D and answers the
+first token; `D.StartDecode(lease)` starts decoding. A failure before StartDecode releases the
+lease before the retry, so a request never holds two reservations; every release is counted by
+outcome in `llmfleet:lease_outcomes`. Without a healthy prefill worker the decode worker takes
+the whole request (it prefills itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from llmfleet.services.scheduler import metrics
+from llmfleet.services.scheduler.placement import (
+    CONTROL_TIMEOUT_S,
+    FINAL_CODES,
+    Placement,
+    field_error,
+    mark_submitted,
+)
+from llmfleet.services.scheduler.registry import ROLE_DECODE, ROLE_PREFILL
+from llmfleet.services.scheduler.request import Lease, Leg, RequestRun
+from llmfleet.services.scheduler.routing import LeastLoad
+from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.shared.config import SchedulerConfig
+from llmfleet.shared.convert import sampling_to_pb
+from llmfleet.shared.service import Unavailable
+from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+class LeaseHandoff:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        placement: Placement,
+        reply_endpoint: str,
+        spawn: Spawn,
+    ) -> None:
+        self.config = config
+        self.placement = placement
+        self.pool = placement.pool
+        self._reply_endpoint = reply_endpoint
+        self._spawn = spawn  # fire-and-forget control RPCs
+        self._decode_policy = LeastLoad()
+
+    async def prefill(self, run: RequestRun) -> tuple[Leg, dataplane_pb2.SequenceOutput] | None:
+        """Lease handoff up to the first token; None when it fell back to the decode worker."""
+        placement = self.placement
+        while True:
+            decode_id = placement.route(run, ROLE_DECODE, run.prompt_ids, self._decode_policy)
+            if not placement.candidates(run, ROLE_PREFILL, (), False):
+                await placement.place(run, (0,), run.prompt_ids, run.params)
+                return None
+            prefill_id = placement.route(run, ROLE_PREFILL, run.prompt_ids)
+            d_stub, p_stub = self.pool.stub(decode_id), self.pool.stub(prefill_id)
+            if d_stub is None or p_stub is None:
+                missing = decode_id if d_stub is None else prefill_id
+                why = f"worker {missing} not connected"
+                placement.retry(run, missing, why, grpc.StatusCode.UNAVAILABLE)
+                continue
+            wire_id = run.next_wire_id()
+            try:
+                reserved = await d_stub.ReserveKV(
+                    worker_pb2.ReserveKVRequest(
+                        request_id=wire_id,
+                        num_prompt_tokens=len(run.prompt_ids),
+                        ttl_ms=self.config.lease_ttl_ms,
+                    ),
+                    timeout=CONTROL_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as exc:
+                metrics.LEASES.labels("reserve_failed").inc()
+                why = f"decode worker {decode_id} ReserveKV: {exc.code().name}: {exc.details()}"
+                placement.retry(run, decode_id, why, exc.code())
+                continue
+            pb_lease = reserved.lease
+            run.lease = Lease(
+                pb_lease.lease_id,
+                pb_lease.epoch,
+                decode_id,
+                pb_lease.kv_endpoint,
+                pb_lease.expires_at_unix_ms,
+                pb_lease.num_blocks,
+            )
+            try:
+                pre = await p_stub.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=wire_id,
+                        prompt_token_ids=run.prompt_ids,
+                        sampling=sampling_to_pb(run.params),
+                        cache_salt=run.cache_salt,
+                        lease=pb_lease,
+                    ),
+                    timeout=self.config.lease_ttl_ms / 1000.0 + CONTROL_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as exc:
+                await self.release_now(run, "released")
+                if exc.code() in FINAL_CODES:
+                    raise field_error(exc.details(), "prompt") from None
+                why = f"prefill worker {prefill_id} Prefill: {exc.code().name}: {exc.details()}"
+                placement.retry(run, prefill_id, why, exc.code())
+                continue
+            run.num_cached_tokens = max(run.num_cached_tokens, pre.num_cached_tokens)
+            mark_submitted(run)
+            leg = placement.new_leg(run, decode_id, (0,))
+            out = dataplane_pb2.SequenceOutput(
+                request_id=leg.wire_id, index=0, token_ids=[pre.first_token_id]
+            )
+            if run.params.logprobs is not None and pre.HasField("first_logprobs"):
+                out.logprobs.append(pre.first_logprobs)
+            if pre.finished:
+                out.finish_reason = _first_token_finish(run.params, pre.first_token_id, out)
+            return leg, out
+
+    async def start_decode(self, run: RequestRun) -> None:
+        lease = run.lease
+        leg = next(iter(run.legs.values()), None)
+        if lease is None or leg is None:
+            return
+        stub = self.pool.stub(lease.decode_worker_id)
+        first = run.completions[0].token_ids[0]
+        try:
+            if stub is None:
+                raise Unavailable(f"decode worker {lease.decode_worker_id} is not connected")
+            await stub.StartDecode(
+                worker_pb2.StartDecodeRequest(
+                    lease_id=lease.lease_id,
+                    epoch=lease.epoch,
+                    request_id=leg.wire_id,
+                    prompt_token_ids=run.prompt_ids,
+                    first_token_id=first,
+                    sampling=sampling_to_pb(run.params),
+                    cache_salt=run.cache_salt,
+                    reply_endpoint=self._reply_endpoint,
+                ),
+                timeout=CONTROL_TIMEOUT_S,
+            )
+        except (grpc.aio.AioRpcError, Unavailable) as exc:
+            expired = (
+                isinstance(exc, grpc.aio.AioRpcError)
+                and exc.code() is grpc.StatusCode.FAILED_PRECONDITION
+            )
+            await self.release_now(run, "expired" if expired else "failed")
+            await self.placement.migrate(run, lease.decode_worker_id, f"StartDecode failed: {exc}")
+            return
+        run.lease = None
+        metrics.LEASES.labels("committed").inc()
+
+    def release(self, run: RequestRun, outcome: str) -> None:
+        """Release the open lease in the background (the request is ending)."""
+        lease, run.lease = run.lease, None
+        if lease is None:
+            return
+        metrics.LEASES.labels(outcome).inc()
+        stub = self.pool.stub(lease.decode_worker_id)
+        if stub is not None:
+            self._spawn(
+                stub.ReleaseKV(
+                    worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
+                    timeout=CONTROL_TIMEOUT_S,
+                )
+            )
+
+    async def release_now(self, run: RequestRun, outcome: str) -> None:
+        """Release the open lease before retrying, so a retry never holds two reservations."""
+        lease, run.lease = run.lease, None
+        if lease is None:
+            return
+        metrics.LEASES.labels(outcome).inc()
+        stub = self.pool.stub(lease.decode_worker_id)
+        if stub is None:
+            return
+        try:
+            await stub.ReleaseKV(
+                worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
+                timeout=CONTROL_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:  # the lease then expires on the worker by itself
+            logger.info("ReleaseKV on %s failed: %s", lease.decode_worker_id, exc.code().name)
+
+
+def _first_token_finish(
+    params: SamplingParams, token_id: int, out: dataplane_pb2.SequenceOutput
+) -> int:
+    """Why a prefill's first token already ended the sequence."""
+    if params.max_tokens == 1:
+        return common_pb2.FINISH_REASON_LENGTH
+    if token_id in params.stop_token_ids:
+        out.stop_token_id = token_id
+    return common_pb2.FINISH_REASON_STOP

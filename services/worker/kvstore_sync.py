@@ -1,0 +1,96 @@
+"""A worker's use of the shared kvstore: fetch a longer prefix before admission, put new blocks.
+
+    sync = KVStoreSync(client, engine, loop, layout_key)
+    num_remote = await sync.fetch_prefix(hashes)   # before admission; None: no kvstore view
+    sync.expect_put(request_id, hashes[num_remote:])
+    ... engine loop, between steps: sync.on_output(out) starts the put once the prompt is done
+
+Fetched blocks are imported into the local prefix cache (they then count as cached tokens).
+Puts read the prompt's blocks between steps, before anything can evict them, and send them
+in the background; a kvstore that is down only costs the reuse, never a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
+from llmfleet.services.worker.loop import EngineLoop
+from llmfleet.shared.errors import LLMFleetError
+from llmfleet.shared.kvstore_client import KVStoreClient
+from llmfleet.shared.transport import MalformedFrame, frame_tensor, tensor_frame
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreSync:
+    def __init__(
+        self, client: KVStoreClient, engine: LLMEngine, loop: EngineLoop, layout_key: str
+    ) -> None:
+        self.client = client
+        self._engine = engine
+        self._loop = loop
+        self._layout_key = layout_key
+        self._puts: dict[str, list[bytes]] = {}  # request id -> hashes the kvstore lacks
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.num_blocks_fetched = 0
+        self.num_blocks_stored = 0
+
+    async def fetch_prefix(self, hashes: list[bytes]) -> int | None:
+        """Import the kvstore's part of the chain beyond the local prefix cache.
+
+        Returns how many leading blocks the kvstore holds (None: unreachable, or no hashes;
+        the request then runs without it)."""
+        if not hashes:
+            return None
+        engine = self._engine
+        try:
+            num_local = await self._loop.call(engine.num_cached_prefix_blocks, hashes)
+            num_remote = await self.client.lookup(self._layout_key, hashes)
+            if num_remote > num_local:
+                frames = await self.client.get(self._layout_key, hashes[:num_remote])
+                shape, dtype = engine.kv_block_shape, engine.kv_dtype
+                payload = torch.stack([frame_tensor(f, dtype, shape) for f in frames])
+                got = hashes[: len(frames)]
+                imported = await self._loop.call(engine.import_cached_blocks, got, payload)
+                self.num_blocks_fetched += imported
+            return num_remote
+        except (LLMFleetError, MalformedFrame) as e:
+            logger.warning("kvstore unavailable for a prefix fetch: %s", e)
+            return None
+
+    def expect_put(self, request_id: str, hashes: list[bytes]) -> None:
+        """Put `hashes` (the tail of the prompt's chain) once `request_id`'s prompt is computed."""
+        self._puts[request_id] = hashes
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Between steps: start the put of a prompt whose first output this is."""
+        hashes = self._puts.pop(out.request_id, None)
+        if hashes is None or not out.new_token_ids:
+            return  # no put pending, or aborted before its prompt was computed
+        payload = self._engine.read_cached_blocks(hashes)
+        if payload is None:
+            logger.debug("prompt blocks of %s left the cache before the put", out.request_id)
+            return
+        client, key = self.client, self._layout_key
+
+        async def put() -> None:
+            try:
+                frames = [tensor_frame(payload[i]) for i in range(payload.shape[0])]
+                await client.put(key, hashes, frames)
+                self.num_blocks_stored += len(hashes)
+            except LLMFleetError as e:
+                logger.warning("kvstore put of %d blocks failed: %s", len(hashes), e)
+
+        task = asyncio.create_task(put())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.close()
