@@ -6,15 +6,17 @@
 
 Startup order (docs/fleet.md): kvstore and tokenizer (in parallel), then the scheduler (waited
 on until its health service answers: it reports SERVING only once workers registered), then
-the workers (in parallel), then the scheduler's SERVING. Every child is
+the workers (in parallel), then the scheduler's SERVING, then (with `gateway`) the
+OpenAI-compatible HTTP gateway, SERVING once its `/health` answers 200. Every child is
 `sys.executable -m llmfleet.services.<name>` with explicit ports picked here. Each child's
 stdout and stderr go to `<log_dir>/<name>.log` and, when `echo` is set, to this process's stderr
 prefixed with `[name]`. A child that exits or is not SERVING in time fails the start with a
 `FleetStartError` naming it and quoting the tail of its output.
 
-Stopping sends SIGTERM tier by tier in reverse start order (workers, scheduler, tokenizer,
-kvstore), waits `stop_grace_s` per tier, then SIGKILLs what is left. Children run in their own
-process group so a terminal's Ctrl-C reaches only the launcher, which then stops them in order.
+Stopping sends SIGTERM tier by tier in reverse start order (gateway, workers, scheduler,
+tokenizer, kvstore), waits `stop_grace_s` per tier, then SIGKILLs what is left. Children run in
+their own process group so a terminal's Ctrl-C reaches only the launcher, which then stops them
+in order.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +52,7 @@ MODULES = {
     "tokenizer": "llmfleet.services.tokenizer",
     "scheduler": "llmfleet.services.scheduler",
     "worker": "llmfleet.services.worker",
+    "gateway": "llmfleet.services.gateway",
 }
 _TAIL_LINES = 40
 
@@ -71,7 +76,9 @@ class FleetSpec:
     dtype: str | None = None
     routing_policy: str | None = None
     kvstore: bool = True
-    # Extra flags per kind ("kvstore", "tokenizer", "scheduler", "worker"), e.g.
+    gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
+    http_port: int = 8000  # the gateway's port; 0: any free port
+    # Extra flags per kind ("kvstore", "tokenizer", "scheduler", "worker", "gateway"), e.g.
     # {"worker": ["--num-kv-blocks", "64"]}.
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)  # added to this process's environment
@@ -84,6 +91,8 @@ class FleetSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValidationError("port", f"must be in [0, 65535], got {self.port}")
+        if not 0 <= self.http_port < 65536:
+            raise ValidationError("http_port", f"must be in [0, 65535], got {self.http_port}")
         for name in ("workers", "prefill_workers", "decode_workers"):
             if getattr(self, name) < 1:
                 raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
@@ -109,6 +118,12 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
     pump: threading.Thread | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint (the `--metrics-port` the launcher picked)."""
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.argv[self.argv.index('--metrics-port') + 1]}/metrics"
 
     def output_tail(self, lines: int = _TAIL_LINES) -> str:
         if self.pump is not None:
@@ -174,6 +189,11 @@ class Fleet:
         return self.child("scheduler").address
 
     @property
+    def http_url(self) -> str | None:
+        """The gateway's base URL (`http://HOST:PORT`, the API under `/v1`); None without one."""
+        return f"http://{self.child('gateway').address}" if self.spec.gateway else None
+
+    @property
     def tokenizer_address(self) -> str:
         return self.child("tokenizer").address
 
@@ -200,7 +220,7 @@ class Fleet:
             if spec.disaggregated
             else ["unified"] * spec.workers
         )
-        ports = iter(pick_free_ports(2 * (3 + len(roles)) + 2, h))
+        ports = iter(pick_free_ports(2 * (4 + len(roles)) + 2, h))
         if spec.port == 0:
             public = next(ports)
         elif _port_is_free(h, spec.port):
@@ -270,7 +290,14 @@ class Fleet:
             counts[role] += 1
             args = ["--role", role, "--worker-id", name, "--scheduler", scheduler.address]
             workers.append(make(name, "worker", next(ports), [*args, *kv_args, *engine], role))
-        return [first, [scheduler], workers]
+        gateways = []
+        if spec.gateway:
+            http = next(ports) if spec.http_port == 0 else spec.http_port
+            if spec.http_port and not _port_is_free(h, http):
+                raise FleetStartError(f"port {http} on {h} is in use (choose another: --http-port)")
+            gw_args = ["--scheduler", scheduler.address, *tok_args]
+            gateways.append(make("gateway", "gateway", http, gw_args))
+        return [first, [scheduler], workers, gateways]
 
     # ---- start / stop ---------------------------------------------------------------------
 
@@ -283,7 +310,7 @@ class Fleet:
         atexit.register(self.stop)
         try:
             deadline = time.monotonic() + self.spec.startup_timeout_s
-            first, [scheduler], workers = tiers
+            first, [scheduler], workers, gateways = tiers
             self._spawn(first)
             self._wait(first, deadline, serving=True)
             self._spawn([scheduler])
@@ -291,6 +318,8 @@ class Fleet:
             self._spawn(workers)
             self._wait(workers, deadline, serving=True)
             self._wait([scheduler], deadline, serving=True)
+            self._spawn(gateways)
+            self._wait(gateways, deadline, serving=True)
         except BaseException:
             self.stop()
             raise
@@ -321,6 +350,8 @@ class Fleet:
 
     def _health(self, child: Child) -> int | None:
         """The child's overall health status, or None while it does not answer."""
+        if child.kind == "gateway":
+            return _http_health(child.address)
         channel = self._channels.get(child.name)
         if channel is None:
             channel = self._channels[child.name] = grpc.insecure_channel(child.address)
@@ -369,6 +400,7 @@ class Fleet:
         """SIGTERM tier by tier in reverse start order; SIGKILL after the grace period."""
         atexit.unregister(self.stop)
         tiers: dict[str, list[Child]] = {
+            "gateway": [],
             "worker": [],
             "scheduler": [],
             "tokenizer": [],
@@ -406,6 +438,19 @@ class Fleet:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _http_health(address: str) -> int | None:
+    """An HTTP child's health as gRPC's enum: GET /health 200 is SERVING."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=1.0) as resp:
+            ok = resp.status == 200
+    except urllib.error.HTTPError:
+        ok = False
+    except OSError:
+        return None
+    r = health_pb2.HealthCheckResponse
+    return r.SERVING if ok else r.NOT_SERVING
 
 
 def _pump(child: Child, echo: bool) -> None:
@@ -467,6 +512,8 @@ def run(
             _write_line(sys.stderr, f"llmfleet: the fleet did not start: {exc}")
             return 1
         print(f"llmfleet: serving on {fleet.endpoint}", file=out, flush=True)
+        if fleet.http_url is not None:
+            print(f"llmfleet: OpenAI-compatible API on {fleet.http_url}/v1", file=out, flush=True)
         if session is not None:
             in_session.set()
             try:

@@ -38,4 +38,9 @@ QUEUE_TIME = prom.Histogram(
 )
 ROUTING = prom.Counter("llmfleet:routing_decisions", "Routing decisions", ["policy", "outcome"])
 MIGRATIONS = prom.Counter("llmfleet:migrations", "Requests re-submitted after a worker failure")
-LEASES = prom.Counter("llmfleet:lease_outcomes", "KV lease outcomes", ["outcome"])
+LEASES = prom.Counter(
+    "llmfleet:lease_outcomes", "KV lease outcomes, as the scheduler sees them", ["outcome"]
+)
+# Every outcome exported at 0 from the start, so rate() and ratios see the series.
+for _outcome in ("committed", "released", "expired", "failed", "reserve_failed", "lost"):
+    LEASES.labels(_outcome)

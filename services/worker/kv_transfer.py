@@ -49,6 +49,8 @@ KV_TRANSFER_FAILURES = prometheus_client.Counter(
     "KV transfers that failed: pushes unacknowledged or rejected, pushes received and rejected",
     ["direction"],
 )
+for _direction in ("push", "receive"):  # exported at 0 from the start, so rate() works
+    KV_TRANSFER_FAILURES.labels(_direction)
 
 
 @dataclass

@@ -51,6 +51,8 @@ LEASE_TRANSITIONS = prometheus_client.Counter(
     "KV leases granted (state=reserved) and ended (committed, released, expired)",
     ["state"],
 )
+for _state in ("reserved", "committed", "released", "expired"):  # exported at 0 from the start
+    LEASE_TRANSITIONS.labels(_state)
 
 
 class LeaseError(Exception):

@@ -44,6 +44,9 @@ ENGINE_STEP_SECONDS = prometheus_client.Histogram(
 PREFIX_HITS = prometheus_client.Counter(
     "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model_name"]
 )
+NUM_PREEMPTIONS = prometheus_client.Counter(
+    "vllm:num_preemptions", "Requests preempted (blocks freed, recomputed later)", ["model_name"]
+)
 CACHE_CONFIG_INFO = prometheus_client.Gauge(
     "vllm:cache_config_info",
     "KV cache configuration, in the labels (the value is always 1)",
@@ -93,9 +96,16 @@ class StepMetrics:
         self._flops = ESTIMATED_FLOPS.labels(name, device)
         self._read = ESTIMATED_READ_BYTES.labels(name, device)
         self._write = ESTIMATED_WRITE_BYTES.labels(name, device)
+        self._preemptions = NUM_PREEMPTIONS.labels(name)
+        self._scheduler = engine.scheduler
+        self._preemptions_seen = engine.scheduler.num_preemptions_total
 
     def on_step(self, seconds: float, cost: StepCost) -> None:
         self._seconds.observe(seconds)
+        preempted = self._scheduler.num_preemptions_total - self._preemptions_seen
+        if preempted:
+            self._preemptions.inc(preempted)
+            self._preemptions_seen += preempted
         self._flops.inc(cost.flops)
         self._read.inc(cost.read_bytes)
         self._write.inc(cost.write_bytes)
