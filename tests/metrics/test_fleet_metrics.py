@@ -20,9 +20,9 @@ from llmfleet.services.worker.models.loader import load_model
 from llmfleet.shared.client import GenerateResult, GenerationClient
 from llmfleet.shared.launcher import Child, Fleet, FleetSpec
 
-WORKER_ARGS = ["--num-kv-blocks", "512", "--block-size", "16"]
+BS, NUM_BLOCKS = 16, 512
+WORKER_ARGS = ["--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BS)]
 SHORT = 16  # prompts shorter than this skip the lease (the decode worker prefills them)
-BS = 16
 PREFIX = list(range(10, 58))  # 48 tokens: three full blocks every long prompt shares
 MAX_TOKENS = 5
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
@@ -110,6 +110,11 @@ def traffic(fleet):
     )
     results.append(client.generate(token_ids=[5, 6, 7, 8, 9], **GREEDY))  # short: no lease
     results.append(client.generate("hello metrics", raw=True, **GREEDY))  # tokenized
+    # The scheduler ends a request's bookkeeping (and releases a lease, fire-and-forget) just
+    # after the last message leaves: let that land before the final scrape.
+    wait_for(fleet, "scheduler", "vllm:e2e_request_latency_seconds_count", 1 + len(results))
+    [decode] = [c.name for c in fleet.workers if c.role == "decode"]
+    wait_for(fleet, decode, "llmfleet:kv_leases_total", 1, state="released")
     after = scrape_all(fleet)
     client.close()
     return warm, results, before, warmed, after
@@ -150,12 +155,13 @@ REQUEST_NAMES = [  # on the scheduler, with model_name
 
 def test_named_metrics_are_on_their_services_with_model_name(fleet, traffic):
     *_, after = traffic
-    model_name = GenerationClient(fleet.endpoint).model_info().model_id
+    with GenerationClient(fleet.endpoint) as client:
+        model_name = client.model_info().model_id
     for w in fleet.workers:
         for name in ENGINE_NAMES:
             assert has(after[w.name], name, model_name=model_name), (w.name, name)
         assert total(after[w.name], "vllm:cache_config_info", block_size=str(BS)) == 1
-        assert has(after[w.name], "vllm:cache_config_info", num_gpu_blocks="512")
+        assert has(after[w.name], "vllm:cache_config_info", num_gpu_blocks=str(NUM_BLOCKS))
         assert 0.0 <= total(after[w.name], "vllm:kv_cache_usage_perc") <= 1.0
     for name in REQUEST_NAMES:
         assert has(after["scheduler"], name, model_name=model_name), name
