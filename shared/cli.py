@@ -1,6 +1,6 @@
 """The `llmfleet` command line.
 
-    llmfleet up [--disaggregated] [--workers N] [--port 50051] [--model PATH] ...
+    llmfleet up [--disaggregated] [--workers N] [--port 50051] [--http-port 8000] [--model PATH] ...
     llmfleet generate [--endpoint HOST:PORT] [--raw] [--max-tokens N] [--n N] [--stream] PROMPT
     llmfleet chat [--endpoint HOST:PORT] [--system TEXT]
     llmfleet generate --offline ... PROMPT       (the engine in this process, no fleet)
@@ -81,6 +81,10 @@ def _up_args(p: argparse.ArgumentParser) -> None:
         "--routing-policy", default=None, choices=["round_robin", "least_load", "prefix_aware"]
     )
     p.add_argument("--no-kvstore", action="store_true", help="run without the shared KV store")
+    p.add_argument(
+        "--no-gateway", action="store_true", help="run without the OpenAI-compatible HTTP gateway"
+    )
+    p.add_argument("--http-port", type=int, default=8000, help="the gateway's port; 0: any")
     p.add_argument("--log-dir", default=None, help="children's logs (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="do not copy children's logs to stderr")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
@@ -110,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
         help="start a fleet on this machine; Ctrl-C stops it",
-        description="Start kvstore, tokenizer, scheduler and workers as child processes, print "
-        "`llmfleet: serving on HOST:PORT` once every one is SERVING, stop them on SIGINT/SIGTERM.",
+        description="Start kvstore, tokenizer, scheduler, workers and the OpenAI-compatible "
+        "HTTP gateway as child processes, print `llmfleet: serving on HOST:PORT` (and the "
+        "gateway's URL on the next line) once every one is SERVING, stop them on SIGINT/SIGTERM.",
     )
     _up_args(up)
     up.add_argument(
@@ -356,6 +361,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         routing_policy=args.routing_policy,
         kvstore=not args.no_kvstore,
+        gateway=not args.no_gateway,
+        http_port=args.http_port,
         log_dir=args.log_dir,
         echo=not args.quiet,
         startup_timeout_s=args.startup_timeout,

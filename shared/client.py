@@ -186,6 +186,7 @@ def build_request(
     ignore_eos: bool = False,
     include_stop_str_in_output: bool = False,
     keep_special_tokens: bool = False,
+    add_generation_prompt: bool | None = None,
     request_id: str | None = None,
     cache_salt: str = "",
 ) -> generation_pb2.GenerateRequest:
@@ -219,7 +220,10 @@ def build_request(
     if token_ids is not None:
         req.tokens.token_ids.extend(int(t) for t in token_ids)
     elif messages is not None:
-        req.chat.CopyFrom(common_pb2.ChatPrompt(messages=_chat_messages(messages)))
+        chat = common_pb2.ChatPrompt(messages=_chat_messages(messages))
+        if add_generation_prompt is not None:
+            chat.add_generation_prompt = add_generation_prompt
+        req.chat.CopyFrom(chat)
     elif not isinstance(prompt, str):
         raise ValidationError("prompt", "must be a string")
     elif raw:

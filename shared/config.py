@@ -154,6 +154,34 @@ class KVStoreConfig:
             raise ValidationError("ram_bytes", "must be >= 1")
 
 
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The OpenAI-compatible HTTP gateway in front of the scheduler's public gRPC API."""
+
+    ENV_SECTION: typing.ClassVar[str] = "GATEWAY"
+    host: str = "127.0.0.1"
+    port: int = 8000  # HTTP port of /v1/*, /health and /metrics; 0: any free port
+    metrics_port: int | None = None  # /metrics on a port of its own too (0: any); None: no
+    scheduler_address: str = "127.0.0.1:50051"
+    # The model name clients send and /v1/models lists; None: the scheduler's model id.
+    served_model_name: str | None = None
+    # The tokenizer (HF directory or .gguf; None: the bundled SmolLM2) of the served model: it
+    # spells logprob tokens and counts chat prompts for the default max_tokens.
+    model: str | None = None
+    request_timeout_s: float | None = None  # per generation request; None: no limit
+    grace_s: float = 10.0  # on SIGTERM: finish open requests for this long, then close
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValidationError("port", f"must be in [0, 65535], got {self.port}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValidationError("request_timeout_s", "must be > 0")
+        if self.grace_s < 0:
+            raise ValidationError("grace_s", "must be >= 0")
+        if self.served_model_name == "":
+            raise ValidationError("served_model_name", "must not be empty")
+
+
 def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
     """Build config `cls` from `LLMFLEET_*` variables, then `overrides` (None values ignored)."""
     env = os.environ if env is None else env

@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -30,8 +29,9 @@ import prometheus_client
 
 from llmfleet.services.tokenizer.chat import tokenize_chat, tokenize_prompt
 from llmfleet.services.tokenizer.detokenizer import IncrementalDetokenizer
+from llmfleet.services.tokenizer.loading import load_tokenizer
 from llmfleet.shared.config import TokenizerConfig
-from llmfleet.shared.errors import ModelLoadError, ValidationError
+from llmfleet.shared.errors import ValidationError
 from llmfleet.shared.service import Service, Unavailable, abort_with
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -47,24 +47,6 @@ LATENCY = prometheus_client.Histogram(
 )
 
 T = TypeVar("T")
-
-
-def load_tokenizer(model: str | None) -> Any:
-    """The tokenizer of `model` (HF directory or .gguf file; None: the bundled SmolLM2) alone,
-    without its weights."""
-    from transformers import AutoTokenizer
-
-    from llmfleet.services.worker.models.loader import gguf_tokenizer, resolve_model_path
-
-    path = resolve_model_path(model)
-    if path.is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"{path}: cannot load its tokenizer: {exc}") from exc
-    if Path(path).suffix == ".gguf":
-        return gguf_tokenizer(path)
-    raise ModelLoadError(f"{path} is neither a checkpoint directory nor a .gguf file")
 
 
 def _renamed(exc: ValidationError, field: str) -> ValidationError:

@@ -189,6 +189,7 @@ def test_up_with_chat_serves_a_conversation_then_stops(model):
             "--model",
             model,
             "--no-kvstore",
+            "--no-gateway",
             "--quiet",
             "--chat",
             "--max-tokens",

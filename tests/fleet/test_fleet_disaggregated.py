@@ -137,7 +137,7 @@ def test_prefill_worker_killed_request_retried_cleanly(model, client, fleet):
 def test_llmfleet_up_serves_and_stops_on_sigint(model):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "llmfleet.shared.cli", "up", "--port", "0", "--model", model,
-           "--no-kvstore", "--quiet"]  # fmt: skip
+           "--no-kvstore", "--no-gateway", "--quiet"]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert up.stdout is not None

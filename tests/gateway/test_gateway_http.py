@@ -1,0 +1,82 @@
+"""The gateway's HTTP surface without a fleet: its scheduler address answers nothing, so every
+generation is a 503, while malformed bodies, unknown routes, health and metrics are answered by
+the gateway itself."""
+
+from __future__ import annotations
+
+import httpx2
+import openai
+import pytest
+from gateway_helpers import gateway_in_thread
+from tiny_models import make_tokenizer
+
+from llmfleet.shared.config import GatewayConfig
+from llmfleet.shared.launcher import pick_free_ports
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    [nobody] = pick_free_ports(1)
+    config = GatewayConfig(port=0, scheduler_address=f"127.0.0.1:{nobody}")
+    with gateway_in_thread(config, make_tokenizer()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def test_unreachable_scheduler_is_503_for_every_model_route(oai, base_url):
+    with pytest.raises(openai.InternalServerError) as e:
+        oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 503
+    assert e.value.code == "service_unavailable" and "cannot serve" in e.value.message
+    with pytest.raises(openai.InternalServerError) as e:
+        oai.completions.create(model="m", prompt="hi", stream=True)
+    assert e.value.status_code == 503
+    with pytest.raises(openai.InternalServerError) as e:
+        oai.models.list()
+    assert e.value.status_code == 503
+    health = httpx2.get(base_url.removesuffix("/v1") + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/chat/completions", {"model": "m"}, "messages"),
+        ("/chat/completions", {"model": "m", "messages": []}, "messages"),
+        ("/chat/completions", {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
+        ("/completions", {"model": "m", "prompt": "x", "n": "two"}, "n"),
+        ("/completions", {"model": "m", "prompt": {"a": 1}}, "prompt"),
+        ("/completions", {"prompt": "x"}, "model"),
+    ],
+)
+def test_malformed_bodies_are_400_in_openai_shape_naming_the_field(base_url, path, body, param):
+    resp = httpx2.post(base_url + path, json=body)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_invalid_json_and_unknown_routes_answer_in_openai_shape(base_url):
+    resp = httpx2.post(
+        base_url + "/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    resp = httpx2.get(base_url + "/no/such/route")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
+def test_metrics_count_requests_by_route_and_status(base_url, oai):
+    with pytest.raises(openai.InternalServerError):
+        oai.completions.create(model="m", prompt="hi")
+    text = httpx2.get(base_url.removesuffix("/v1") + "/metrics").text
+    line = 'llmfleet:gateway_requests_total{endpoint="/v1/completions",status="503"}'
+    assert line in text
+    count = float(text.split(line, 1)[1].split()[0])
+    assert count >= 1
