@@ -106,7 +106,7 @@ def _model_card(served: ServedModel) -> dict[str, Any]:
     return {
         "id": served.name,
         "object": "model",
-        "created": 0,
+        "created": served.created,
         "owned_by": "llmfleet",
         "root": served.info.model_id,
         "max_model_len": served.info.max_model_len,

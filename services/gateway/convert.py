@@ -101,7 +101,7 @@ def chat_call(req: ChatCompletionRequest) -> Call:
         raise invalid("tools", "tool calling is not supported")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise invalid("response_format", "only the text response format is supported")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # top_logprobs=0 alone asks for nothing
         raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     kwargs = _common(req)
     params = {}

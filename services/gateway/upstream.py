@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ _PROBE_TIMEOUT_S = 5.0
 class ServedModel:
     name: str  # what clients send as `model`
     info: ModelInfo
+    created: int  # unix time the gateway first saw it served
 
 
 class Upstream:
@@ -56,7 +58,7 @@ class Upstream:
             name = self.config.served_model_name or info.model_id
             if self._model is None or self._model.info != info:
                 logger.info("serving model %s (%s)", name, info.model_id)
-            self._model = ServedModel(name, info)
+                self._model = ServedModel(name, info, int(time.time()))
             return self._model
 
     async def require(self, requested: str) -> ServedModel:

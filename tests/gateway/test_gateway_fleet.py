@@ -53,7 +53,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 def test_models_lists_what_the_scheduler_serves(oai, model):
     [card] = oai.models.list().data
-    assert card.id == model and card.object == "model"
+    assert card.id == model and card.object == "model" and card.created > 0
     assert oai.models.retrieve(model).id == model
 
 

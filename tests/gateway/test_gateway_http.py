@@ -4,12 +4,17 @@ the gateway itself."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx2
 import openai
 import pytest
 from gateway_helpers import gateway_in_thread
 from tiny_models import make_tokenizer
 
+from llmfleet.services.gateway.errors import APIError
+from llmfleet.services.gateway.upstream import Upstream
+from llmfleet.shared.client import ModelInfo
 from llmfleet.shared.config import GatewayConfig
 from llmfleet.shared.launcher import pick_free_ports
 
@@ -80,3 +85,26 @@ def test_metrics_count_requests_by_route_and_status(base_url, oai):
     assert line in text
     count = float(text.split(line, 1)[1].split()[0])
     assert count >= 1
+
+
+def test_served_model_name_renames_the_model():
+    info = ModelInfo("org/model", "LlamaForCausalLM", 260, 2048, [256], 16, 20, 16)
+
+    class Scheduler:  # GetModelInfo only
+        async def model_info(self, timeout=None):
+            return info
+
+        async def close(self):
+            pass
+
+    async def check():
+        up = Upstream(GatewayConfig(served_model_name="alias"), make_tokenizer())
+        await up.client.close()
+        up.client = Scheduler()
+        served = await up.require("alias")
+        assert (served.name, served.info.model_id) == ("alias", "org/model")
+        with pytest.raises(APIError) as e:
+            await up.require("org/model")
+        assert (e.value.status, e.value.param, e.value.code) == (404, "model", "model_not_found")
+
+    asyncio.run(check())
