@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all env run test test-gpu lint format bench bench-gpu clean proto
+.PHONY: all env run test test-gpu lint format bench bench-serve bench-gpu clean proto
 
 all: test
 
@@ -54,6 +54,12 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py
 	$(BIN)/python benchmarks/fleet_bench.py
+	$(BIN)/python benchmarks/routing_bench.py
+
+# Prefix-aware routing vs round robin (two fleets of two workers, one after the other):
+# `llmfleet bench serve` on the prefix-repetition dataset, TTFT side by side.
+bench-serve: $(STAMP)
+	$(BIN)/python benchmarks/routing_bench.py
 
 bench-gpu:
 	python3 -m llmfleet.kernels.bench_attention

@@ -122,6 +122,7 @@ class GrpcBackend:
             record.output_tokens = usage.completion_tokens if usage else counted
             if usage is not None:
                 record.prompt_len = usage.prompt_tokens
+                record.cached_tokens = usage.cached_prompt_tokens
         except LLMFleetError as exc:  # ClientError: the call failed (status and message)
             error = str(exc)
         timing.finish(error=error)
@@ -254,6 +255,8 @@ class OpenAIBackend:
         if usage is not None:
             record.output_tokens = int(usage.get("completion_tokens", 0))
             record.prompt_len = int(usage.get("prompt_tokens", record.prompt_len))
+            details = usage.get("prompt_tokens_details") or {}
+            record.cached_tokens = int(details.get("cached_tokens") or 0)
         timing.finish(error=error)
 
     async def close(self) -> None:

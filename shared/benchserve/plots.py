@@ -55,6 +55,7 @@ def segments(record: RequestRecord) -> list[tuple[float, float, str]]:
 def plot_timeline(records: Sequence[RequestRecord], path: Path, title: str = "") -> Path:
     """The per-request timeline (see the module docstring) as a PNG at `path`."""
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     shown = sorted(records, key=lambda r: r.index)[:MAX_TIMELINE_REQUESTS]
     if len(records) > len(shown):
@@ -68,17 +69,19 @@ def plot_timeline(records: Sequence[RequestRecord], path: Path, title: str = "")
         )
     ax.set_ylim(-1, max(len(shown), 1))
     ax.invert_yaxis()  # request 0 at the top
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("seconds since the benchmark start")
     ax.set_ylabel("request")
     ax.set_title(title or "Per-request timeline")
-    ax.legend(
+    fig.legend(
         handles=[
             Patch(color=_QUEUE, label="waiting for a concurrency slot"),
             Patch(color=_TTFT, label="time to first token"),
             Patch(color=_DECODE[0], label="decode (one shade per token chunk)"),
             Patch(color=_FAILED, label="failed"),
         ],
-        loc="lower right",
+        loc="outside lower center",
+        ncols=4,
         fontsize="small",
     )
     fig.savefig(path)

@@ -61,6 +61,7 @@ def format_report(
         _line("Benchmark duration (s):", m.duration_s),
         _line("Total input tokens:", m.total_input_tokens),
         _line("Total generated tokens:", m.total_output_tokens),
+        _line("Prefix-cached input tokens:", m.total_cached_tokens),
         _line("Request throughput (req/s):", m.request_throughput),
     ]
     if m.request_goodput is not None:
@@ -109,6 +110,7 @@ def result_json(
         "failed": m.failed,
         "total_input_tokens": m.total_input_tokens,
         "total_output_tokens": m.total_output_tokens,
+        "total_cached_tokens": m.total_cached_tokens,
         "request_throughput": m.request_throughput,
         "request_goodput": m.request_goodput,
         "goodput_slos_ms": m.goodput_slos,
@@ -127,6 +129,7 @@ def result_json(
         {
             "input_lens": [r.prompt_len for r in ordered],
             "output_lens": [r.output_tokens for r in ordered],
+            "cached_lens": [r.cached_tokens for r in ordered],
             "expected_output_lens": [r.expected_output_len for r in ordered],
             "scheduled_times": [r.scheduled_s for r in ordered],
             "start_times": [r.start_s for r in ordered],

@@ -48,6 +48,7 @@ class RequestRecord:
     output_tokens: int = 0  # generated tokens (usage; else counted from the stream)
     success: bool = False
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the server found in a prefix cache (usage)
 
     @property
     def tpot_s(self) -> float | None:
@@ -165,6 +166,7 @@ class BenchmarkMetrics:
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
+    total_cached_tokens: int  # prompt tokens served from a prefix cache (0: not reported)
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
@@ -200,6 +202,7 @@ def compute_metrics(
         duration_s=duration_s,
         total_input_tokens=total_in,
         total_output_tokens=total_out,
+        total_cached_tokens=sum(r.cached_tokens for r in ok),
         request_throughput=len(ok) * per_s,
         output_throughput=total_out * per_s,
         total_token_throughput=(total_in + total_out) * per_s,
