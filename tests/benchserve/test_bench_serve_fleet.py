@@ -11,6 +11,7 @@ import json
 import re
 
 import pytest
+
 from llmfleet.shared.cli import main
 from llmfleet.shared.launcher import Fleet, FleetSpec
 
