@@ -9,8 +9,10 @@
 
 A "chunk" is one streamed message carrying new tokens (gRPC: a response with token ids;
 SSE: an event with non-empty text). Its arrival is a token time: the first one gives the TTFT,
-the gaps between the following ones the ITLs. `send` never raises for a failed request: it
-records `success=False` and the error's text, so one failure does not end a benchmark.
+the gaps between the following ones the ITLs. (Over SSE a token without text, e.g. a special
+token, has no event of its own: it is timed with the next text.) `send` never raises for a
+failed request: it records `success=False` and the error's text, so one failure does not end a
+benchmark.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`llmfleet bench serve` against a real local fleet (tiny random llama, one unified worker).
+"""`llmfleet bench serve` against a real local fleet (tiny random llama, one unified worker,
+the OpenAI-compatible gateway), over gRPC and over HTTP.
 
 Few short requests, so the module takes seconds after the fleet is up: the report's numbers
 must agree with what was asked (every request completes; with ignore_eos the generated
@@ -30,6 +31,8 @@ def fleet(model):
         port=0,
         workers=1,
         model=model,
+        gateway=True,
+        http_port=0,
         extra_args={"worker": WORKER_ARGS},
         startup_timeout_s=240,
     )
@@ -125,6 +128,30 @@ def test_sharegpt_text_prompts_and_a_failing_request_exit_1(capsys, fleet, model
     assert code == 1
     assert report_value(out, "Successful requests:") == "0"
     assert report_value(out, "Failed requests:") == "3"
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_openai_backends_through_the_gateway(capsys, fleet, model, tmp_path, backend):
+    code, out = bench(
+        capsys,
+        fleet,
+        model,
+        *("--backend", backend, "--base-url", fleet.http_url, "--num-prompts", "4"),
+        *("--random-input-len", "20", "--random-output-len", "6", "--max-concurrency", "2"),
+        *("--save-result", "--result-dir", str(tmp_path), "--result-filename", "http.json"),
+    )
+    assert code == 0, out
+    data = json.loads((tmp_path / "http.json").read_text())
+    assert data["backend"] == backend and data["completed"] == 4
+    # Usage from the stream's last event: exactly the requested tokens (ignore_eos).
+    assert data["output_lens"] == [6] * 4 and data["total_output_tokens"] == 24
+    # Text prompts re-encode to about the requested length (plus the chat template).
+    assert all(n >= 19 for n in data["input_lens"])
+    # SSE events carry text: a token without text (a special one the random model may pick)
+    # arrives with the next event, so there are at most 5 gaps per request.
+    assert all(len(itl) <= 5 for itl in data["itls"]) and any(data["itls"])
+    assert all(0 < t <= e for t, e in zip(data["ttfts"], data["e2els"], strict=True))
+    assert (tmp_path / "http.timeline.png").stat().st_size > 5000
 
 
 def test_unreachable_fleet_is_reported_with_exit_1(capsys, model):
