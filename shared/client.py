@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from llmfleet.shared.errors import LLMFleetError, ValidationError
+from llmfleet.shared.tracing import metadata
 from llmfleet.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
@@ -398,7 +399,8 @@ class GenerationClient:
     ) -> GenerateStream:
         """Start a Generate call (arguments as `build_request`); iterate it for `Delta`s."""
         req = build_request(prompt, **kwargs)
-        call = self._stub.Generate(req, timeout=timeout)
+        # An application's current span (if any) becomes the parent of the fleet's llm_request.
+        call = self._stub.Generate(req, timeout=timeout, metadata=metadata())
         return GenerateStream(call, _num_completions(req))
 
     def generate(
@@ -493,7 +495,8 @@ class AsyncGenerationClient:
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
     ) -> AsyncGenerateStream:
         req = build_request(prompt, **kwargs)
-        call = self._stub.Generate(req, timeout=timeout)
+        # An application's current span (if any) becomes the parent of the fleet's llm_request.
+        call = self._stub.Generate(req, timeout=timeout, metadata=metadata())
         return AsyncGenerateStream(call, _num_completions(req))
 
     async def generate(

@@ -25,13 +25,17 @@ import grpc
 import zmq
 import zmq.asyncio
 from google.protobuf.message import Message
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from llmfleet.shared.errors import LLMFleetError, ValidationError
 from llmfleet.shared.service import Unavailable
+from llmfleet.shared.tracing import child_span, metadata, traceparent
 from llmfleet.shared.transport import Frame, MalformedFrame, decode, encode
 from llmfleet.v1 import dataplane_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 HASH_BYTES = 32
 _Reply = tuple[dataplane_pb2.KVStoreHeader, list[zmq.Frame]]
@@ -77,7 +81,10 @@ class KVStoreClient:
         """How many leading blocks of the chain `hashes` the store holds."""
         _check(layout, hashes)
         request = kvstore_pb2.LookupRequest(layout=layout, block_hashes=hashes)
-        response = await self._rpc("Lookup", request, timeout_s)
+        with child_span(tracer, "kvstore.lookup", kind=SpanKind.CLIENT) as span:
+            response = await self._rpc("Lookup", request, timeout_s)
+            span.set_attribute("llmfleet.kv.num_blocks", len(hashes))
+            span.set_attribute("llmfleet.kvstore.num_matched", response.num_matched)
         return int(response.num_matched)
 
     async def get(
@@ -88,7 +95,11 @@ class KVStoreClient:
         header = dataplane_pb2.KVStoreHeader(
             op=dataplane_pb2.KV_STORE_OP_GET, layout=layout, block_hashes=hashes
         )
-        reply, frames = await self._request(header, (), timeout_s)
+        with child_span(tracer, "kvstore.get", kind=SpanKind.CLIENT) as span:
+            header.traceparent = traceparent()
+            reply, frames = await self._request(header, (), timeout_s)
+            span.set_attribute("llmfleet.kv.num_blocks", len(frames))
+            span.set_attribute("llmfleet.kv.bytes", sum(f.buffer.nbytes for f in frames))
         if reply.found_count != len(frames) or len(frames) > len(hashes):
             raise KVStoreError(
                 f"kvstore GET reply found_count={reply.found_count} with {len(frames)} frames "
@@ -115,7 +126,11 @@ class KVStoreClient:
         header = dataplane_pb2.KVStoreHeader(
             op=dataplane_pb2.KV_STORE_OP_PUT, layout=layout, block_hashes=hashes
         )
-        reply, _ = await self._request(header, payloads, timeout_s)
+        with child_span(tracer, "kvstore.put", kind=SpanKind.CLIENT) as span:
+            header.traceparent = traceparent()
+            span.set_attribute("llmfleet.kv.num_blocks", len(hashes))
+            span.set_attribute("llmfleet.kv.bytes", sum(memoryview(p).nbytes for p in payloads))
+            reply, _ = await self._request(header, payloads, timeout_s)
         return int(reply.found_count)
 
     async def stats(self, *, timeout_s: float | None = None) -> kvstore_pb2.GetStoreStatsResponse:
@@ -215,7 +230,7 @@ class KVStoreClient:
             self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return await getattr(self._stub, method)(request, timeout=timeout)
+            return await getattr(self._stub, method)(request, timeout=timeout, metadata=metadata())
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValidationError(method, e.details() or "invalid argument") from None

@@ -7,7 +7,9 @@
     await svc.wait_for_termination()              # SIGTERM/SIGINT: NOT_SERVING, drain, stop
 
 Standard `grpc.health.v1.Health`, server reflection, Prometheus `/metrics` on its own HTTP
-port, graceful drain. Errors map to status codes in one place (`status_for`).
+port, OpenTelemetry tracing (`shared/tracing.py`: set up from `OTEL_*` once per process; a
+SERVER span for each RPC that arrives with a traceparent), graceful drain. Errors map to status
+codes in one place (`status_for`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
 import prometheus_client
@@ -24,6 +26,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from llmfleet.shared.errors import CapacityError, LLMFleetError, ModelLoadError, ValidationError
+from llmfleet.shared.trace_grpc import ServerTracing
+from llmfleet.shared.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +88,22 @@ class Service:
         *,
         metrics_port: int | None = 0,
         grace_s: float = 10.0,
+        self_traced: Collection[str] = (),
     ) -> None:
+        """`self_traced`: full method names ("/pkg.Service/Method") whose servicer makes its
+        own SERVER span."""
+        setup_tracing(name)
         self.name = name
         self.host = host
         self.requested_port = port
         self.metrics_port = metrics_port
         self.grace_s = grace_s
         self.server = grpc.aio.server(
+            interceptors=[ServerTracing(own_span=self_traced)],
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ]
+            ],
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -22,14 +22,19 @@ from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from llmfleet.services.kvstore.runner import StoreRunner
 from llmfleet.services.kvstore.store import HASH_BYTES
 from llmfleet.shared.errors import ValidationError
+from llmfleet.shared.tracing import context_from_traceparent
 from llmfleet.shared.transport import Frame, MalformedFrame, decode
 from llmfleet.v1 import dataplane_pb2
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The tail of `shared.transport.kv_layout_key`: model id (may itself hold "|"), then the shape.
@@ -62,7 +67,11 @@ class DataPlane:
         try:
             header, payload = decode(body, dataplane_pb2.KVStoreHeader)
             seq = header.seq
-            reply, out = await self._serve(header, payload)
+            parent = context_from_traceparent(header.traceparent)
+            if parent is None:
+                reply, out = await self._serve(header, payload)
+            else:
+                reply, out = await self._serve_traced(header, payload, parent)
         except (MalformedFrame, ValidationError) as e:
             await self._reject(identity, seq, str(e))
             return
@@ -71,6 +80,21 @@ class DataPlane:
             await self._reject(identity, seq, f"internal error: {type(e).__name__}")
             return
         await self.sock.send_multipart([identity, reply.SerializeToString(), *out], copy=False)
+
+    async def _serve_traced(
+        self, header: dataplane_pb2.KVStoreHeader, payload: list[Frame], parent: Context
+    ) -> tuple[dataplane_pb2.KVStoreHeader, Sequence[Frame]]:
+        """`_serve` as a `kvstore.serve_get` / `kvstore.serve_put` span under the caller's."""
+        name = (
+            "kvstore.serve_get"
+            if header.op == dataplane_pb2.KV_STORE_OP_GET
+            else "kvstore.serve_put"
+        )
+        attrs = {"llmfleet.kv.num_blocks": len(header.block_hashes)}
+        with tracer.start_as_current_span(name, parent, SpanKind.SERVER, attrs) as span:
+            reply, out = await self._serve(header, payload)
+            span.set_attribute("llmfleet.kvstore.found_count", reply.found_count)
+            return reply, out
 
     async def _serve(
         self, header: dataplane_pb2.KVStoreHeader, payload: list[Frame]

@@ -3,6 +3,9 @@
 Protocol (tokenizer.proto): a `start` message (no answer), then one `tokens` message per engine
 step, each answered by exactly one response with the text safe to emit and, once matched, the
 stop string. The start is written when the stream opens, so its cost overlaps the prefill.
+
+Each stream is one `detokenize` span (child of the request's `llm_request`), from the stream's
+creation to `close`, with the number of tokens fed and whether a stop string matched.
 """
 
 from __future__ import annotations
@@ -10,16 +13,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
 from llmfleet.shared.service import Unavailable
+from llmfleet.shared.tracing import metadata
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+tracer = trace.get_tracer(__name__)
 
 
 class DetokStream:
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self._call = stub.Detokenize()
+    def __init__(
+        self, stub: tokenizer_pb2_grpc.TokenizerStub, ctx: Context | None = None, index: int = 0
+    ) -> None:
+        """`ctx`: the request's trace context; `index`: the completion this stream is for."""
+        self._span = tracer.start_span(
+            "detokenize", ctx, attributes={"llmfleet.completion_index": index}
+        )
+        self._call = stub.Detokenize(metadata=metadata(trace.set_span_in_context(self._span, ctx)))
         self.closed = False
+        self.num_tokens = 0
+        self.stopped = False
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         start = tokenizer_pb2.DetokenizeStart(
@@ -35,6 +51,7 @@ class DetokStream:
         msg = tokenizer_pb2.DetokenizeRequest(
             tokens=tokenizer_pb2.DetokenizeTokens(token_ids=token_ids, finished=finished)
         )
+        self.num_tokens += len(token_ids)
         await self._write(msg)
         try:
             resp = await self._call.read()
@@ -42,12 +59,19 @@ class DetokStream:
             raise Unavailable(f"tokenizer: detokenize failed: {exc.details()}") from None
         if resp is grpc.aio.EOF:
             raise Unavailable("tokenizer: detokenize stream ended early")
+        if resp.stop_string:
+            self.stopped = True
         return resp.text, resp.stop_string
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self._call.cancel()
+            span = self._span
+            if span.is_recording():
+                span.set_attribute("llmfleet.detokenize.num_tokens", self.num_tokens)
+                span.set_attribute("llmfleet.detokenize.stop_string_matched", self.stopped)
+            span.end()
 
     async def _write(self, msg: tokenizer_pb2.DetokenizeRequest) -> None:
         try:

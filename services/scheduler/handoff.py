@@ -20,8 +20,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
 
-from llmfleet.services.scheduler import metrics
+from llmfleet.services.scheduler import metrics, spans
 from llmfleet.services.scheduler.placement import (
     CONTROL_TIMEOUT_S,
     FINAL_CODES,
@@ -36,11 +38,46 @@ from llmfleet.services.worker.engine.sampling_params import SamplingParams
 from llmfleet.shared.config import SchedulerConfig
 from llmfleet.shared.convert import sampling_to_pb
 from llmfleet.shared.service import Unavailable
-from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
+from llmfleet.shared.tracing import Metadata, metadata
+from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+class _AttemptFailed(Exception):
+    """A handoff attempt failed on `worker_id` in a way another worker may not."""
+
+    def __init__(self, worker_id: str, why: str, code: grpc.StatusCode) -> None:
+        super().__init__(why)
+        self.worker_id, self.why, self.code = worker_id, why, code
+
+
+def _end_lease_span(
+    span: Span, lease: Lease | None, pre: worker_pb2.PrefillResponse | None, error: str | None
+) -> None:
+    """The `kv_lease` span of one attempt: what moved and how long it took, or why it failed."""
+    if span.is_recording():
+        if lease is not None:
+            span.set_attributes(
+                {
+                    "llmfleet.lease.id": lease.lease_id,
+                    "llmfleet.lease.epoch": lease.epoch,
+                    "llmfleet.lease.num_blocks": lease.num_blocks,
+                }
+            )
+        if pre is not None:
+            span.set_attributes(
+                {
+                    "llmfleet.kv.bytes": pre.kv_bytes,
+                    "llmfleet.kv.transfer_s": pre.kv_transfer_us / 1e6,
+                    "llmfleet.usage.cached_tokens": pre.num_cached_tokens,
+                }
+            )
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
 
 
 class LeaseHandoff:
@@ -74,47 +111,28 @@ class LeaseHandoff:
                 placement.retry(run, missing, why, grpc.StatusCode.UNAVAILABLE)
                 continue
             wire_id = run.next_wire_id()
-            try:
-                reserved = await d_stub.ReserveKV(
-                    worker_pb2.ReserveKVRequest(
-                        request_id=wire_id,
-                        num_prompt_tokens=len(run.prompt_ids),
-                        ttl_ms=self.config.lease_ttl_ms,
-                    ),
-                    timeout=CONTROL_TIMEOUT_S,
-                )
-            except grpc.aio.AioRpcError as exc:
-                metrics.LEASES.labels("reserve_failed").inc()
-                why = f"decode worker {decode_id} ReserveKV: {exc.code().name}: {exc.details()}"
-                placement.retry(run, decode_id, why, exc.code())
-                continue
-            pb_lease = reserved.lease
-            run.lease = Lease(
-                pb_lease.lease_id,
-                pb_lease.epoch,
-                decode_id,
-                pb_lease.kv_endpoint,
-                pb_lease.expires_at_unix_ms,
-                pb_lease.num_blocks,
+            run.used(prefill_id)
+            span = spans.tracer.start_span(
+                "kv_lease",
+                run.trace,
+                attributes={
+                    "llmfleet.decode_worker_id": decode_id,
+                    "llmfleet.prefill_worker_id": prefill_id,
+                },
             )
+            md = metadata(trace.set_span_in_context(span, run.trace))
             try:
-                pre = await p_stub.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=wire_id,
-                        prompt_token_ids=run.prompt_ids,
-                        sampling=sampling_to_pb(run.params),
-                        cache_salt=run.cache_salt,
-                        lease=pb_lease,
-                    ),
-                    timeout=self.config.lease_ttl_ms / 1000.0 + CONTROL_TIMEOUT_S,
+                pre = await self._lease_and_prefill(
+                    run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
                 )
-            except grpc.aio.AioRpcError as exc:
-                await self.release_now(run, "released")
-                if exc.code() in FINAL_CODES:
-                    raise field_error(exc.details(), "prompt") from None
-                why = f"prefill worker {prefill_id} Prefill: {exc.code().name}: {exc.details()}"
-                placement.retry(run, prefill_id, why, exc.code())
+            except _AttemptFailed as failed:
+                _end_lease_span(span, None, None, failed.why)
+                placement.retry(run, failed.worker_id, failed.why, failed.code)
                 continue
+            except BaseException as exc:
+                _end_lease_span(span, None, None, str(exc) or type(exc).__name__)
+                raise
+            _end_lease_span(span, run.lease, pre, None)
             run.num_cached_tokens = max(run.num_cached_tokens, pre.num_cached_tokens)
             mark_submitted(run)
             leg = placement.new_leg(run, decode_id, (0,))
@@ -126,6 +144,59 @@ class LeaseHandoff:
             if pre.finished:
                 out.finish_reason = _first_token_finish(run.params, pre.first_token_id, out)
             return leg, out
+
+    async def _lease_and_prefill(
+        self,
+        run: RequestRun,
+        wire_id: str,
+        decode: tuple[str, worker_pb2_grpc.WorkerStub],
+        prefill: tuple[str, worker_pb2_grpc.WorkerStub],
+        md: Metadata | None,
+    ) -> worker_pb2.PrefillResponse:
+        """One attempt: ReserveKV on D, Prefill on P (which pushes the KV to D). Raises
+        _AttemptFailed for a failure worth a retry elsewhere (the lease is released first)."""
+        (decode_id, d_stub), (prefill_id, p_stub) = decode, prefill
+        try:
+            reserved = await d_stub.ReserveKV(
+                worker_pb2.ReserveKVRequest(
+                    request_id=wire_id,
+                    num_prompt_tokens=len(run.prompt_ids),
+                    ttl_ms=self.config.lease_ttl_ms,
+                ),
+                timeout=CONTROL_TIMEOUT_S,
+                metadata=md,
+            )
+        except grpc.aio.AioRpcError as exc:
+            metrics.LEASES.labels("reserve_failed").inc()
+            why = f"decode worker {decode_id} ReserveKV: {exc.code().name}: {exc.details()}"
+            raise _AttemptFailed(decode_id, why, exc.code()) from None
+        pb_lease = reserved.lease
+        run.lease = Lease(
+            pb_lease.lease_id,
+            pb_lease.epoch,
+            decode_id,
+            pb_lease.kv_endpoint,
+            pb_lease.expires_at_unix_ms,
+            pb_lease.num_blocks,
+        )
+        try:
+            return await p_stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=wire_id,
+                    prompt_token_ids=run.prompt_ids,
+                    sampling=sampling_to_pb(run.params),
+                    cache_salt=run.cache_salt,
+                    lease=pb_lease,
+                ),
+                timeout=self.config.lease_ttl_ms / 1000.0 + CONTROL_TIMEOUT_S,
+                metadata=md,
+            )
+        except grpc.aio.AioRpcError as exc:
+            await self.release_now(run, "released")
+            if exc.code() in FINAL_CODES:
+                raise field_error(exc.details(), "prompt") from None
+            why = f"prefill worker {prefill_id} Prefill: {exc.code().name}: {exc.details()}"
+            raise _AttemptFailed(prefill_id, why, exc.code()) from None
 
     async def start_decode(self, run: RequestRun) -> None:
         lease = run.lease
@@ -149,6 +220,7 @@ class LeaseHandoff:
                     reply_endpoint=self._reply_endpoint,
                 ),
                 timeout=CONTROL_TIMEOUT_S,
+                metadata=metadata(run.trace),
             )
         except (grpc.aio.AioRpcError, Unavailable) as exc:
             expired = (
@@ -173,6 +245,7 @@ class LeaseHandoff:
                 stub.ReleaseKV(
                     worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
                     timeout=CONTROL_TIMEOUT_S,
+                    metadata=metadata(run.trace),
                 )
             )
 
@@ -189,6 +262,7 @@ class LeaseHandoff:
             await stub.ReleaseKV(
                 worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
                 timeout=CONTROL_TIMEOUT_S,
+                metadata=metadata(run.trace),
             )
         except grpc.aio.AioRpcError as exc:  # the lease then expires on the worker by itself
             logger.info("ReleaseKV on %s failed: %s", lease.decode_worker_id, exc.code().name)

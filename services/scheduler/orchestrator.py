@@ -27,8 +27,9 @@ from typing import Any
 
 import grpc
 import zmq.asyncio
+from opentelemetry.context import Context
 
-from llmfleet.services.scheduler import metrics
+from llmfleet.services.scheduler import metrics, spans
 from llmfleet.services.scheduler.detok import DetokStream
 from llmfleet.services.scheduler.handoff import LeaseHandoff
 from llmfleet.services.scheduler.kv_index import KVSnapshot
@@ -49,9 +50,10 @@ from llmfleet.services.scheduler.workers import WorkerPool
 from llmfleet.shared.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.config import SchedulerConfig
 from llmfleet.shared.convert import FINISH_FROM_PB
-from llmfleet.shared.errors import CapacityError, ValidationError
+from llmfleet.shared.errors import CapacityError, LLMFleetError, ValidationError
 from llmfleet.shared.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.service import Unavailable
+from llmfleet.shared.tracing import metadata
 from llmfleet.v1 import (
     common_pb2,
     dataplane_pb2,
@@ -178,54 +180,69 @@ class Scheduler:
     # -- Generate -----------------------------------------------------------------------------
 
     async def generate(
-        self, req: generation_pb2.GenerateRequest
+        self, req: generation_pb2.GenerateRequest, parent: Context | None = None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """One Generate call; `parent`: the caller's trace context (from its metadata), if any.
+        The call is one `llm_request` span, ended (with usage or the error) however it ends."""
         request_id = req.request_id or uuid.uuid4().hex
-        if request_id in self.runs or request_id in self._pending:
-            raise ValidationError("request_id", f"{request_id!r} is already running")
-        kind, params = check_shape(req)
-        if self.draining:
-            raise Unavailable("the scheduler is draining")
-        model = self.model()
-        if model is None or not self.usable():
-            raise Unavailable("no live worker serves requests")
-        if len(self.runs) + len(self._pending) >= self.config.max_queued_requests:
-            raise CapacityError(
-                f"{self.config.max_queued_requests} requests are queued or running; retry later"
-            )
-        label = model.model_id
-        NUM_REQUESTS_WAITING.labels(label).inc()
-        self._pending[request_id] = False
+        span, trace_ctx = spans.start_request(request_id, parent)
         run: RequestRun | None = None
+        error: LLMFleetError | None = None
         try:
-            prompt_ids = await prompt_token_ids(self.tokenizer, req, kind, model)
-            check_sampling(params, model, len(prompt_ids))
-            hashes: list[bytes] = []
-            if self.policy.needs_prefix:
-                ctx = HashContext(model.model_id, req.cache_salt)
-                hashes = hash_block_chain(prompt_ids, model.block_size, ctx)
-            completions = [Completion(i, DetokStream(self.tokenizer)) for i in range(params.n)]
-            run = RequestRun(
-                request_id, prompt_ids, params, req.cache_salt, model, hashes, completions
-            )
-            run.aborted = self._pending.pop(request_id)
-            self.runs[request_id] = run
-            await asyncio.gather(*(c.detok.open(prompt_ids, params) for c in completions))
-            if run.aborted:
-                run.events.put_nowait(Aborted())
-            else:
-                async for resp in self._submit(run):
-                    yield resp
-            while not run.done:
-                resp = await self._on_event(run, await run.events.get())
-                if resp is not None:
-                    yield resp
+            if request_id in self.runs or request_id in self._pending:
+                raise ValidationError("request_id", f"{request_id!r} is already running")
+            kind, params = check_shape(req)
+            if self.draining:
+                raise Unavailable("the scheduler is draining")
+            model = self.model()
+            if model is None or not self.usable():
+                raise Unavailable("no live worker serves requests")
+            if len(self.runs) + len(self._pending) >= self.config.max_queued_requests:
+                raise CapacityError(
+                    f"{self.config.max_queued_requests} requests are queued or running; retry later"
+                )
+            spans.set_request(span, kind, params, model.model_id)
+            label = model.model_id
+            NUM_REQUESTS_WAITING.labels(label).inc()
+            self._pending[request_id] = False
+            try:
+                prompt_ids = await prompt_token_ids(self.tokenizer, req, kind, model, trace_ctx)
+                check_sampling(params, model, len(prompt_ids))
+                hashes: list[bytes] = []
+                if self.policy.needs_prefix:
+                    ctx = HashContext(model.model_id, req.cache_salt)
+                    hashes = hash_block_chain(prompt_ids, model.block_size, ctx)
+                completions = [
+                    Completion(i, DetokStream(self.tokenizer, trace_ctx, i))
+                    for i in range(params.n)
+                ]
+                run = RequestRun(
+                    request_id, prompt_ids, params, req.cache_salt, model, hashes, completions
+                )
+                run.trace = trace_ctx
+                run.aborted = self._pending.pop(request_id)
+                self.runs[request_id] = run
+                await asyncio.gather(*(c.detok.open(prompt_ids, params) for c in completions))
+                if run.aborted:
+                    run.events.put_nowait(Aborted())
+                else:
+                    async for resp in self._submit(run):
+                        yield resp
+                while not run.done:
+                    resp = await self._on_event(run, await run.events.get())
+                    if resp is not None:
+                        yield resp
+            finally:
+                self._pending.pop(request_id, None)
+                if run is None or run.submitted_at is None:
+                    NUM_REQUESTS_WAITING.labels(label).dec()
+                if run is not None:
+                    self._finish(run)
+        except LLMFleetError as exc:
+            error = exc
+            raise
         finally:
-            self._pending.pop(request_id, None)
-            if run is None or run.submitted_at is None:
-                NUM_REQUESTS_WAITING.labels(label).dec()
-            if run is not None:
-                self._finish(run)
+            spans.end_request(span, run, error)
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -302,7 +319,7 @@ class Scheduler:
                 c.finished, c.finish_reason = True, "stop"
                 delta.finish_reason, delta.stop_string = _STOP, stop
                 if not finished:
-                    self._cancel(leg, wire_index, _STOP, stop)
+                    self._cancel(run, leg, wire_index, _STOP, stop)
                 leg.open_indices.discard(wire_index)
             elif finished:
                 c.finished = True
@@ -340,7 +357,7 @@ class Scheduler:
         """Cancel whatever still runs for `run` on workers, release its lease, drop its state."""
         for leg in list(run.legs.values()):
             if leg.open_indices:
-                self._cancel(leg, None, _ABORT, "")
+                self._cancel(run, leg, None, _ABORT, "")
             self.placement.close_leg(run, leg)
         self.handoff.release(run, "released")
         for c in run.completions:
@@ -354,7 +371,9 @@ class Scheduler:
             metrics.REQUEST_SUCCESS.labels(label, reason).inc()
             metrics.E2E.labels(label).observe(time.perf_counter() - run.arrival)
 
-    def _cancel(self, leg: Leg, wire_index: int | None, reason: int, stop_string: str) -> None:
+    def _cancel(
+        self, run: RequestRun, leg: Leg, wire_index: int | None, reason: int, stop_string: str
+    ) -> None:
         stub = self.pool.stub(leg.worker_id)
         if stub is None:
             return
@@ -363,7 +382,7 @@ class Scheduler:
         )
         if wire_index is not None:
             req.index = wire_index
-        self._spawn(stub.Cancel(req, timeout=CONTROL_TIMEOUT_S))
+        self._spawn(stub.Cancel(req, timeout=CONTROL_TIMEOUT_S, metadata=metadata(run.trace)))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Fire-and-forget control RPCs (Cancel, ReleaseKV): they must outlive a cancelled

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from llmfleet.services.scheduler import metrics
+from llmfleet.services.scheduler import metrics, spans
 from llmfleet.services.scheduler.kv_subscriber import KVSubscriber
 from llmfleet.services.scheduler.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.scheduler.replies import ReplyReceiver
@@ -34,6 +34,7 @@ from llmfleet.shared.convert import sampling_to_pb
 from llmfleet.shared.errors import CapacityError, ValidationError
 from llmfleet.shared.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.service import Unavailable
+from llmfleet.shared.tracing import metadata
 from llmfleet.v1 import dataplane_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class Placement:
     def route(
         self, run: RequestRun, role: str, prompt_ids: Sequence[int], policy: Policy | None = None
     ) -> str:
+        """The worker of `role` for `prompt_ids` (one `route` span in the request's trace)."""
         policy = policy or self.policy
         hashes: Sequence[bytes] = ()
         if policy.needs_prefix:
@@ -115,10 +117,20 @@ class Placement:
             if len(prompt_ids) != len(run.prompt_ids):  # a continuation: its own chain
                 ctx = HashContext(run.model.model_id, run.cache_salt)
                 hashes = hash_block_chain(prompt_ids, run.model.block_size, ctx)
-        cands = self.candidates(run, role, hashes, policy.needs_prefix)
-        if not cands:
-            raise Unavailable(f"no live {role} worker for request {run.request_id}")
-        decision = policy.choose(cands, run.model.block_size)
+        with spans.tracer.start_as_current_span(
+            "route", run.trace, attributes={"llmfleet.routing.role": role}
+        ) as span:
+            cands = self.candidates(run, role, hashes, policy.needs_prefix)
+            if not cands:
+                raise Unavailable(f"no live {role} worker for request {run.request_id}")
+            decision = policy.choose(cands, run.model.block_size)
+            spans.set_route(
+                span,
+                decision.policy,
+                decision.outcome,
+                decision.worker_id,
+                decision.matched_prefix_tokens,
+            )
         metrics.ROUTING.labels(decision.policy, decision.outcome).inc()
         logger.debug(
             "request %s -> %s (%s, %s, prefix %d tokens)",
@@ -133,6 +145,7 @@ class Placement:
     def new_leg(self, run: RequestRun, worker_id: str, indices: tuple[int, ...]) -> Leg:
         wire_id = run.next_wire_id()
         run.num_legs += 1
+        run.used(worker_id)
         leg = Leg(wire_id, worker_id, indices)
         run.legs[wire_id] = leg
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
@@ -193,6 +206,7 @@ class Placement:
                         reply_endpoint=self.replies.endpoint,
                     ),
                     timeout=_ADD_TIMEOUT_S,
+                    metadata=metadata(run.trace),
                 )
             except grpc.aio.AioRpcError as exc:
                 self.close_leg(run, leg)

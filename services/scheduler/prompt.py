@@ -12,6 +12,7 @@ Errors are `ValidationError`s naming the request field (`text`, `tokens.token_id
 from __future__ import annotations
 
 import grpc
+from opentelemetry.context import Context
 
 from llmfleet.services.scheduler.placement import CONTROL_TIMEOUT_S, field_error
 from llmfleet.services.scheduler.registry import ModelSpec
@@ -19,6 +20,7 @@ from llmfleet.services.worker.engine.sampling_params import SamplingLimits, Samp
 from llmfleet.shared.convert import sampling_from_pb
 from llmfleet.shared.errors import ValidationError
 from llmfleet.shared.service import Unavailable
+from llmfleet.shared.tracing import metadata
 from llmfleet.v1 import generation_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 
@@ -40,7 +42,9 @@ async def prompt_token_ids(
     req: generation_pb2.GenerateRequest,
     kind: str,
     model: ModelSpec,
+    trace: Context | None = None,
 ) -> list[int]:
+    """The prompt's token ids (`trace`: the request's context, sent along to the tokenizer)."""
     if kind == "tokens":
         ids = list(req.tokens.token_ids)
         for i, t in enumerate(ids):
@@ -57,7 +61,9 @@ async def prompt_token_ids(
         else tokenizer_pb2.TokenizeRequest(chat=req.chat)
     )
     try:
-        resp = await tokenizer.Tokenize(tok_req, timeout=CONTROL_TIMEOUT_S)
+        resp = await tokenizer.Tokenize(
+            tok_req, timeout=CONTROL_TIMEOUT_S, metadata=metadata(trace)
+        )
     except grpc.aio.AioRpcError as exc:
         if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
             raise field_error(exc.details(), kind) from None

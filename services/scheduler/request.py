@@ -17,6 +17,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from llmfleet.services.scheduler.detok import DetokStream
 from llmfleet.services.scheduler.registry import ModelSpec
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
@@ -86,6 +88,12 @@ class RequestRun:
     first_token_at: float | None = None
     last_token_at: float | None = None
     aborted: bool = False
+    trace: Context = field(default_factory=Context)  # its `llm_request` span (spans.py)
+    workers_used: list[str] = field(default_factory=list)  # every worker it ran on, in order
+
+    def used(self, worker_id: str) -> None:
+        if worker_id not in self.workers_used:
+            self.workers_used.append(worker_id)
 
     @property
     def done(self) -> bool:

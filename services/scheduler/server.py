@@ -29,6 +29,7 @@ from llmfleet.services.scheduler.registry import ROLES, Load, ModelSpec
 from llmfleet.shared.config import SchedulerConfig
 from llmfleet.shared.errors import LLMFleetError, ValidationError
 from llmfleet.shared.service import Service, abort_with
+from llmfleet.shared.tracing import context_from_metadata
 from llmfleet.v1 import (
     common_pb2,
     generation_pb2,
@@ -168,8 +169,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        parent = context_from_metadata(context.invocation_metadata())
         try:
-            async for resp in self.sched.generate(request):
+            async for resp in self.sched.generate(request, parent):
                 yield resp
         except LLMFleetError as exc:
             await abort_with(context, exc)
@@ -217,6 +219,7 @@ class SchedulerServer:
             config.host,
             config.port,
             metrics_port=config.metrics_port if expose_metrics else None,
+            self_traced=[f"/{GENERATION}/Generate"],  # its span is the scheduler's llm_request
         )
         self._ctx = zmq.asyncio.Context()
         self._tok_channel = grpc.aio.insecure_channel(config.tokenizer_address)

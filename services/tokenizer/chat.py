@@ -62,6 +62,11 @@ def tokenize_chat(
 ) -> list[int]:
     """Token ids of `render_chat(...)`, with the tokenizer's BOS exactly once if it uses one."""
     text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    return encode_rendered(tokenizer, text)
+
+
+def encode_rendered(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered chat prompt, with the tokenizer's BOS exactly once."""
     return _with_special_prefix(tokenizer, tokenizer.encode(text, add_special_tokens=False))
 
 

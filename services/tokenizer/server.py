@@ -26,16 +26,19 @@ from typing import Any, TypeVar
 
 import grpc
 import prometheus_client
+from opentelemetry import trace
 
-from llmfleet.services.tokenizer.chat import tokenize_chat, tokenize_prompt
+from llmfleet.services.tokenizer.chat import encode_rendered, render_chat, tokenize_prompt
 from llmfleet.services.tokenizer.detokenizer import IncrementalDetokenizer
 from llmfleet.services.tokenizer.loading import load_tokenizer
 from llmfleet.shared.config import TokenizerConfig
 from llmfleet.shared.errors import ValidationError
 from llmfleet.shared.service import Service, Unavailable, abort_with
+from llmfleet.shared.tracing import child_span
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -104,7 +107,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
             def encode_text() -> list[int]:
                 try:
-                    return tokenize_prompt(tokenizer, text)
+                    with child_span(tracer, "tokenize") as span:
+                        ids = tokenize_prompt(tokenizer, text)
+                        span.set_attribute("llmfleet.num_tokens", len(ids))
+                        return ids
                 except ValidationError as exc:
                     raise _renamed(exc, "text") from None
 
@@ -119,9 +125,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
             def encode_chat() -> list[int]:
                 try:
-                    return tokenize_chat(
-                        tokenizer, messages, add_generation_prompt=add_generation_prompt
-                    )
+                    with child_span(tracer, "render") as span:
+                        span.set_attribute("llmfleet.chat.num_messages", len(messages))
+                        rendered = render_chat(
+                            tokenizer, messages, add_generation_prompt=add_generation_prompt
+                        )
+                    with child_span(tracer, "tokenize") as span:
+                        ids = encode_rendered(tokenizer, rendered)
+                        span.set_attribute("llmfleet.num_tokens", len(ids))
+                        return ids
                 except ValidationError as exc:
                     raise _renamed(exc, f"chat.{exc.field}") from None
 

@@ -22,18 +22,23 @@ from collections.abc import Callable
 
 import torch
 import zmq.asyncio
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from llmfleet.services.worker.engine.engine import LLMEngine
 from llmfleet.services.worker.kv_transfer import KVReceiver
 from llmfleet.services.worker.lease import LeaseError, LeaseTable
 from llmfleet.services.worker.loop import EngineLoop
+from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.convert import sampling_from_pb
 from llmfleet.shared.errors import ValidationError
 from llmfleet.shared.service import FailedPrecondition, cancel_and_wait
+from llmfleet.shared.tracing import context_from_traceparent
 from llmfleet.shared.transport import Frame, frame_tensor
 from llmfleet.v1 import dataplane_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 # Returns the engine and its loop, or raises FailedPrecondition when the worker is not serving.
 EngineAccess = Callable[[], tuple[LLMEngine, EngineLoop]]
@@ -49,6 +54,7 @@ class DecodeSide:
         sock: zmq.asyncio.Socket,
         kv_endpoint: str,
         routes: dict[str, str],
+        request_spans: RequestSpans,
         *,
         lease_ttl_ms: int,
     ) -> None:
@@ -58,6 +64,7 @@ class DecodeSide:
         self.leases = LeaseTable()
         self._routes = routes  # request id -> reply endpoint (shared with the worker)
         self._lease_ttl_ms = lease_ttl_ms
+        self._request_spans = request_spans
         self.receiver = KVReceiver(sock, self.on_push)
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -109,7 +116,24 @@ class DecodeSide:
 
     async def on_push(self, header: dataplane_pb2.KVTransferHeader, frames: list[Frame]) -> None:
         """A KV push for a lease: validated, then written into the reservation (between steps).
-        Raises LeaseError / MalformedFrame to reject it (the receiver acks ok=false)."""
+        Raises LeaseError / MalformedFrame to reject it (the receiver acks ok=false). A traced
+        push is one `kv_receive` span, child of the prefill worker's `kv_push`."""
+        parent = context_from_traceparent(header.traceparent)
+        if parent is None:
+            await self._accept_push(header, frames)
+            return
+        attrs = {
+            "llmfleet.lease.id": header.lease_id,
+            "llmfleet.lease.epoch": header.epoch,
+            "llmfleet.kv.first_block": header.first_block,
+            "llmfleet.kv.num_blocks": len(frames),
+        }
+        with tracer.start_as_current_span("kv_receive", parent, SpanKind.CONSUMER, attrs):
+            await self._accept_push(header, frames)
+
+    async def _accept_push(
+        self, header: dataplane_pb2.KVTransferHeader, frames: list[Frame]
+    ) -> None:
         engine, loop = self._engine_loop()
         self.reap()
         lease = self.leases.check_push(
@@ -121,6 +145,9 @@ class DecodeSide:
             raise LeaseError(f"KV layout {header.layout} is not this worker's {self.kv_layout}")
         shape, dtype = engine.kv_block_shape, engine.kv_dtype
         payload = torch.stack([frame_tensor(f, dtype, shape) for f in frames])
+        trace.get_current_span().set_attribute(
+            "llmfleet.kv.bytes", payload.numel() * payload.element_size()
+        )
         try:
             await loop.call(engine.write_reserved, lease.lease_id, header.first_block, payload)
         except KeyError:
@@ -147,6 +174,7 @@ class DecodeSide:
             raise FailedPrecondition(str(e)) from None
         rid = request.request_id
         routes = self._routes
+        rpc_span = trace.get_current_span()  # StartDecode's: the decode span's parent
 
         def start() -> None:
             # Routed first: a first token that already ends the sequence emits its final
@@ -165,6 +193,7 @@ class DecodeSide:
                 routes.pop(rid, None)
                 engine.release_reserved(lease.lease_id)
                 raise
+            self._request_spans.decoding(rid, rpc_span, len(prompt))
 
         await loop.call(start)
 

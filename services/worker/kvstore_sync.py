@@ -16,6 +16,8 @@ import asyncio
 import logging
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
 from llmfleet.services.worker.loop import EngineLoop
@@ -34,7 +36,8 @@ class KVStoreSync:
         self._engine = engine
         self._loop = loop
         self._layout_key = layout_key
-        self._puts: dict[str, list[bytes]] = {}  # request id -> hashes the kvstore lacks
+        # request id -> (hashes the kvstore lacks, span of the admitting RPC: the put's parent)
+        self._puts: dict[str, tuple[list[bytes], Span]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.num_blocks_fetched = 0
         self.num_blocks_stored = 0
@@ -62,15 +65,19 @@ class KVStoreSync:
             logger.warning("kvstore unavailable for a prefix fetch: %s", e)
             return None
 
-    def expect_put(self, request_id: str, hashes: list[bytes]) -> None:
-        """Put `hashes` (the tail of the prompt's chain) once `request_id`'s prompt is computed."""
-        self._puts[request_id] = hashes
+    def expect_put(
+        self, request_id: str, hashes: list[bytes], parent: Span = trace.INVALID_SPAN
+    ) -> None:
+        """Put `hashes` (the tail of the prompt's chain) once `request_id`'s prompt is computed;
+        `parent`: the span the put belongs under (the request's admission)."""
+        self._puts[request_id] = (hashes, parent)
 
     def on_output(self, out: RequestOutput) -> None:
         """Between steps: start the put of a prompt whose first output this is."""
-        hashes = self._puts.pop(out.request_id, None)
-        if hashes is None or not out.new_token_ids:
+        pending = self._puts.pop(out.request_id, None)
+        if pending is None or not out.new_token_ids:
             return  # no put pending, or aborted before its prompt was computed
+        hashes, parent = pending
         payload = self._engine.read_cached_blocks(hashes)
         if payload is None:
             logger.debug("prompt blocks of %s left the cache before the put", out.request_id)
@@ -80,7 +87,8 @@ class KVStoreSync:
         async def put() -> None:
             try:
                 frames = [tensor_frame(payload[i]) for i in range(payload.shape[0])]
-                await client.put(key, hashes, frames)
+                with trace.use_span(parent, end_on_exit=False):
+                    await client.put(key, hashes, frames)
                 self.num_blocks_stored += len(hashes)
             except LLMFleetError as e:
                 logger.warning("kvstore put of %d blocks failed: %s", len(hashes), e)

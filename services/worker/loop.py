@@ -39,6 +39,7 @@ class EngineLoop:
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_steps = 0
+        self.step_started_ns = 0  # wall clock (ns) at the start of the latest step (for spans)
         self._metrics = StepMetrics(engine)
 
     def start(self) -> None:
@@ -100,6 +101,7 @@ class EngineLoop:
             stepped = False
             if self.engine.has_unfinished():
                 started = time.perf_counter()
+                self.step_started_ns = time.time_ns()
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
                 except Exception:

@@ -20,6 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 import zmq.asyncio
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from llmfleet.services.worker.decode_side import EngineAccess
 from llmfleet.services.worker.engine.engine import RequestOutput
@@ -28,9 +30,11 @@ from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.shared.convert import logprobs_to_pb, sampling_from_pb
 from llmfleet.shared.errors import LLMFleetError, ValidationError
 from llmfleet.shared.service import FailedPrecondition
+from llmfleet.shared.tracing import child_span, traceparent
 from llmfleet.v1 import dataplane_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 # admit(request_id, prompt, params, cache_salt) -> prompt tokens found cached (prefill_only).
 Admit = Callable[[str, list[int], SamplingParams, str], Awaitable[int]]
@@ -100,15 +104,26 @@ class PrefillSide:
                 raise FailedPrecondition(
                     f"the prompt has {payload.shape[0]} blocks, the lease {lease.num_blocks}"
                 )
-            pushed = await self.pusher.push(
-                lease.kv_endpoint,
-                lease_id=lease.lease_id,
-                epoch=lease.epoch,
-                request_id=rid,
-                layout=self.kv_layout,
-                payload=payload,
-                timeout_s=self._kv_push_timeout_ms / 1000,
-            )
+            attrs = {
+                "llmfleet.lease.id": lease.lease_id,
+                "llmfleet.lease.epoch": lease.epoch,
+                "llmfleet.kv.num_blocks": payload.shape[0],
+            }
+            # The decode side's kv_receive spans are children of this one (traceparent in
+            # every KVTransferHeader), which links the two workers' halves of the transfer.
+            with child_span(tracer, "kv_push", kind=SpanKind.PRODUCER, attributes=attrs) as span:
+                pushed = await self.pusher.push(
+                    lease.kv_endpoint,
+                    lease_id=lease.lease_id,
+                    epoch=lease.epoch,
+                    request_id=rid,
+                    layout=self.kv_layout,
+                    payload=payload,
+                    timeout_s=self._kv_push_timeout_ms / 1000,
+                    traceparent=traceparent(),
+                )
+                span.set_attribute("llmfleet.kv.bytes", pushed.num_bytes)
+                span.set_attribute("llmfleet.kv.transfer_s", pushed.transfer_us / 1e6)
         finally:
             self._waiting.pop(rid, None)
             if admitted:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2
+from opentelemetry import trace
 
 from llmfleet.services.worker.decode_side import DecodeSide
 from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
@@ -46,6 +47,7 @@ from llmfleet.services.worker.outputs import (
 )
 from llmfleet.services.worker.prefill_side import PrefillSide
 from llmfleet.services.worker.registration import Registrar
+from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.config import EngineConfig, WorkerConfig
 from llmfleet.shared.convert import model_info_to_pb
@@ -110,6 +112,7 @@ class WorkerRuntime:
         self.prefill: PrefillSide | None = None  # prefill and unified roles
         self.kvstore: KVStoreSync | None = None  # with a kvstore configured
         self.registrar: Registrar | None = None
+        self.request_spans = RequestSpans(self.worker_id)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
@@ -128,6 +131,7 @@ class WorkerRuntime:
         await self.service.start([SERVICE_NAME])  # NOT_SERVING while the model loads
         if not self.worker_id:
             self.worker_id = f"worker-{self.address}-{os.getpid()}"
+        self.request_spans.worker_id = self.worker_id
         loaded = self._loaded
         if loaded is None:
             ec = self.ec
@@ -166,6 +170,7 @@ class WorkerRuntime:
                 sock,
                 self.kv_endpoint,
                 self._routes,
+                self.request_spans,
                 lease_ttl_ms=self.wc.lease_ttl_ms,
             )
             self.decode.start()
@@ -242,6 +247,7 @@ class WorkerRuntime:
         await self.service.wait_for_termination()
         if self.loop is not None:
             await self.loop.stop()
+        self.request_spans.close()
         if self.kvstore is not None:
             await self.kvstore.close()
         if self.decode is not None:
@@ -262,8 +268,14 @@ class WorkerRuntime:
             return
         to_send: list[RequestOutput] = []
         num_generated = 0
+        spans = self.request_spans if len(self.request_spans) else None  # tracing follows some
+        started_ns = self.loop.step_started_ns if self.loop is not None else 0
+        if spans is not None:
+            spans.on_step(engine.scheduler.running, started_ns)
         for out in outputs:
             num_generated += len(out.new_token_ids)
+            if spans is not None:
+                spans.on_output(out, started_ns)
             if self.kvstore is not None:
                 self.kvstore.on_output(out)
             if self.prefill is not None and self.prefill.take(out):
@@ -316,6 +328,7 @@ class WorkerRuntime:
         )
         kvstore = self.kvstore
         num_remote = await kvstore.fetch_prefix(hashes) if kvstore is not None else None
+        rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
 
         def admit() -> int:
             num_cached = engine.num_cached_prefix_blocks(hashes)
@@ -325,7 +338,10 @@ class WorkerRuntime:
             if reply_endpoint:
                 self._routes[request_id] = reply_endpoint
             if kvstore is not None and num_remote is not None and num_remote < len(hashes):
-                kvstore.expect_put(request_id, hashes[num_remote:])
+                kvstore.expect_put(request_id, hashes[num_remote:], rpc_span)
+            self.request_spans.admitted(
+                request_id, rpc_span, len(prompt), params.n, prefill_only=prefill_only
+            )
             return num_cached
 
         num_cached_blocks = await loop.call(admit)
