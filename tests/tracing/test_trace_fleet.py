@@ -113,9 +113,9 @@ def test_aggregated_request_is_one_trace(loaded, span_exporter):
             return fleet.workers[0].worker_id, fleet.workers[1].worker_id, first, second
 
     w0, w1, first, second = run(body())
-    t1, t2 = trace_of(span_exporter)
-    # Nothing else was traced: every span belongs to one of the two requests' traces.
     all_spans = span_exporter.get_finished_spans()
+    t1, t2 = trace_of(all_spans)
+    # Nothing else was traced: every span belongs to one of the two requests' traces.
     assert len(all_spans) == len(t1.spans) + len(t2.spans)
 
     for t, result, worker in ((t1, first, w0), (t2, second, w1)):

@@ -148,9 +148,12 @@ class Trace:
         return sorted(s.name for s in self.spans)
 
 
-def trace_of(exporter: InMemorySpanExporter, root_name: str = "llm_request") -> list[Trace]:
-    """The finished traces rooted at a `root_name` span, oldest first."""
-    spans = exporter.get_finished_spans()
+def trace_of(
+    source: InMemorySpanExporter | Sequence[ReadableSpan], root_name: str = "llm_request"
+) -> list[Trace]:
+    """The finished traces rooted at a `root_name` span, oldest first (`source`: an exporter,
+    or one snapshot of its spans)."""
+    spans = source.get_finished_spans() if isinstance(source, InMemorySpanExporter) else source
     roots = [s for s in spans if s.name == root_name]
     return [Trace(s for s in spans if s.context.trace_id == r.context.trace_id) for r in roots]
 
