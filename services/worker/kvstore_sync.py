@@ -56,9 +56,11 @@ class KVStoreSync:
             if num_remote > num_local:
                 frames = await self.client.get(self._layout_key, hashes[:num_remote])
                 shape, dtype = engine.kv_block_shape, engine.kv_dtype
-                payload = torch.stack([frame_tensor(f, dtype, shape) for f in frames])
+                views = [frame_tensor(f, dtype, shape) for f in frames]
                 got = hashes[: len(frames)]
-                imported = await self._loop.call(engine.import_cached_blocks, got, payload)
+                imported = await self._loop.call(
+                    lambda: engine.import_cached_blocks(got, torch.stack(views))
+                )
                 self.num_blocks_fetched += imported
             return num_remote
         except (LLMFleetError, MalformedFrame) as e:
@@ -78,14 +80,18 @@ class KVStoreSync:
         if pending is None or not out.new_token_ids:
             return  # no put pending, or aborted before its prompt was computed
         hashes, parent = pending
-        payload = self._engine.read_cached_blocks(hashes)
-        if payload is None:
-            logger.debug("prompt blocks of %s left the cache before the put", out.request_id)
-            return
+        rid = out.request_id
         client, key = self.client, self._layout_key
+        # Queued now, so it runs before the next step: the blocks are still cached unless an
+        # op ahead of it freed them. (A read is torch work: on the engine thread.)
+        read = self._loop.submit(self._engine.read_cached_blocks, hashes)
 
         async def put() -> None:
             try:
+                payload = await read
+                if payload is None:
+                    logger.debug("prompt blocks of %s left the cache before the put", rid)
+                    return
                 frames = [tensor_frame(payload[i]) for i in range(payload.shape[0])]
                 with trace.use_span(parent, end_on_exit=False):
                     await client.put(key, hashes, frames)

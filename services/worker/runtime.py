@@ -35,7 +35,7 @@ from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
 from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
-from llmfleet.services.worker.loop import EngineLoop
+from llmfleet.services.worker.loop import EngineLoop, EngineThread
 from llmfleet.services.worker.models.loader import LoadedModel, load_model
 from llmfleet.services.worker.outputs import (
     GENERATION_TOKENS,
@@ -98,6 +98,7 @@ class WorkerRuntime:
         self.worker_id = worker_config.worker_id or ""
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
+        self.engine_thread = EngineThread()
         self.counters = WorkerCounters()
         self.kv_endpoint = ""
         self.kv_events_endpoint = ""
@@ -133,13 +134,12 @@ class WorkerRuntime:
             self.worker_id = f"worker-{self.address}-{os.getpid()}"
         self.request_spans.worker_id = self.worker_id
         loaded = self._loaded
+        thread = self.engine_thread  # every torch op of this process runs there (loop.py)
         if loaded is None:
             ec = self.ec
-            loaded = await asyncio.to_thread(
-                load_model, ec.model, dtype=ec.torch_dtype, device=ec.device
-            )
+            loaded = await thread.run(load_model, ec.model, dtype=ec.torch_dtype, device=ec.device)
         self._loaded = None  # the engine owns it now
-        engine = self.engine = LLMEngine(self.ec, loaded)
+        engine = self.engine = await thread.run(LLMEngine, self.ec, loaded)
         engine.drain_kv_events()  # turns event recording on
         self.model_name = engine.info.model_id
         L, _, bs, H, D = engine.kv_block_shape
@@ -152,7 +152,7 @@ class WorkerRuntime:
         self.publisher = KVEventPublisher(self._ctx, self.wc.host, self.worker_id)
         self.kv_events_endpoint = self.publisher.endpoint
         self.sinks = ReplySinks(self._ctx, self.worker_id)
-        self.loop = EngineLoop(engine, self._on_iteration)
+        self.loop = EngineLoop(engine, self._on_iteration, thread)
         self.loop.start()
         if self.role in ("prefill", "unified"):
             self.prefill = PrefillSide(
@@ -247,6 +247,7 @@ class WorkerRuntime:
         await self.service.wait_for_termination()
         if self.loop is not None:
             await self.loop.stop()
+        self.engine_thread.shutdown()
         self.request_spans.close()
         if self.kvstore is not None:
             await self.kvstore.close()

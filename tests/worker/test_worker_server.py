@@ -204,3 +204,45 @@ def test_kv_events_are_consecutive_and_match_the_snapshot(loaded):
             ctx.destroy(linger=0)
 
     run(body())
+
+
+def test_engine_work_runs_on_the_one_engine_thread(loaded, monkeypatch):
+    """Every engine method (construction, admission, steps, cancels) runs on the worker's
+    engine thread, never on the event loop's: torch work on a second thread makes OpenMP
+    throttle its spin-waits for the whole process (loop.py)."""
+    import threading
+
+    from llmfleet.services.worker.engine.engine import LLMEngine
+
+    threads: dict[str, set[int]] = {}
+    for name in ("__init__", "validate_request", "add_request", "step", "cancel"):
+        original = getattr(LLMEngine, name)
+
+        def recorded(self, *a, _name=name, _original=original, **kw):
+            threads.setdefault(_name, set()).add(threading.get_ident())
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(LLMEngine, name, recorded)
+    ids = prompt(loaded, 9)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        w = await start_worker(loaded)
+        replies = Replies(ctx)
+        try:
+            s = stub(w)
+            await s.AddRequest(add_request_pb("t1", ids, GREEDY, replies.endpoint))
+            await replies.until_finished("t1")
+            long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            await s.AddRequest(add_request_pb("t2", ids, long, replies.endpoint))
+            await s.Cancel(worker_pb2.CancelRequest(request_id="t2"))
+            return w.engine_thread.ident
+        finally:
+            replies.close()
+            await w.stop()
+            ctx.destroy(linger=0)
+
+    engine_thread = run(body())
+    assert engine_thread is not None and engine_thread != threading.get_ident()
+    assert set(threads) == {"__init__", "validate_request", "add_request", "step", "cancel"}
+    assert all(idents == {engine_thread} for idents in threads.values()), threads
