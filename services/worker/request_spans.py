@@ -4,6 +4,7 @@
     spans.decoding(request_id, parent, num_prompt_tokens)  # StartDecode: the KV came by lease
     spans.on_step(engine.scheduler.running, step_started_ns)  # after each step
     spans.on_output(out, step_started_ns)                     # each output of the step
+    spans.stopped(request_id, index)       # Cancel with a stop string (no engine output)
 
     queue    admitted .. first scheduled (the engine step that starts computing its prompt)
     prefill  first scheduled .. first token; one `prefill_chunk` event per step that computed
@@ -120,6 +121,17 @@ class RequestSpans:
             life.finish_reasons.append(out.finish_reason or "abort")
             if len(life.finish_reasons) >= life.num_completions:
                 self._end(out.request_id, life, now)
+
+    def stopped(self, request_id: str, index: int | None) -> None:
+        """Completion `index` (None: every unfinished one) ended by a stop string that the
+        scheduler matched: the engine emits no output for it, so it is counted here."""
+        life = self._lives.get(request_id)
+        if life is None:
+            return
+        n = 1 if index is not None else life.num_completions - len(life.finish_reasons)
+        life.finish_reasons.extend(["stop"] * n)
+        if len(life.finish_reasons) >= life.num_completions:
+            self._end(request_id, life, time.time_ns())
 
     def close(self) -> None:
         """End whatever is still open (the worker is stopping)."""

@@ -77,8 +77,11 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         def cancel() -> bool:
             found = engine.cancel(rid, index, stop)
             # Aborts emit a final output, whose delivery drops the route; a stop does not.
-            if stop is not None and not engine.has_request(rid):
-                self._routes.pop(rid, None)
+            if stop is not None:
+                if found:
+                    self.request_spans.stopped(rid, index)
+                if not engine.has_request(rid):
+                    self._routes.pop(rid, None)
             return found
 
         return worker_pb2.CancelResponse(found=await loop.call(cancel))

@@ -201,3 +201,35 @@ def test_disaggregated_request_is_one_trace(loaded, span_exporter):
     assert decode.attributes["gen_ai.response.finish_reasons"] == ("length",)
     # P wrote the prompt's blocks to the kvstore under its Prefill span.
     t.child(t.child(pre, "kvstore.put"), "kvstore.serve_put")
+
+
+def test_stop_string_ends_the_request_spans_on_the_worker(loaded, span_exporter):
+    """A stop string the scheduler matches ends the worker's decode span too (the engine
+    emits no output for a stopped completion; the Cancel carries the trace)."""
+    prompt = "one two three four five six"
+    greedy = dict(temperature=0.0, ignore_eos=True)
+
+    async def body():
+        async with InProcessFleet(loaded, mode="aggregated", roles=("unified",)) as fleet:
+            plain = await fleet.client.generate(prompt, raw=True, max_tokens=8, **greedy)
+            stop = plain.completions[0].text[3:5]
+            assert len(stop) == 2
+            span_exporter.clear()
+            result = await fleet.client.generate(
+                prompt, raw=True, max_tokens=200, stop=[stop], **greedy
+            )
+            await until(lambda: any(trace_of(span_exporter)[0].named("decode")))
+            return result, len(fleet.workers[0].request_spans)
+
+    result, num_followed = run(body())
+    assert result.completions[0].finish_reason == "stop"
+    assert num_followed == 0  # the worker forgot the request
+    [t] = trace_of(span_exporter)
+    check_tree(t)
+    req = t.one("llm_request")
+    assert req.attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    t.child(req, "llmfleet.v1.Worker/Cancel")
+    decode = t.child(t.one("llmfleet.v1.Worker/AddRequest"), "decode")
+    assert decode.attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert decode.attributes["gen_ai.usage.output_tokens"] < 200
+    assert t.one("detokenize").attributes["llmfleet.detokenize.stop_string_matched"] is True
