@@ -4,55 +4,19 @@ and the KV transfer's two halves sit in two worker processes, linked parent to c
 
 from __future__ import annotations
 
-import http.server
-import threading
 import time
 
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from otlp_collector import HTTPCollector
 
 from llmfleet.shared.client import GenerationClient
 from llmfleet.shared.launcher import Fleet, FleetSpec
 
 
-class Collector(http.server.ThreadingHTTPServer):
-    """OTLP/HTTP trace receiver: every span as (service.name, span)."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-        collector = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-                with collector.lock:
-                    for rs in req.resource_spans:
-                        attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-                        for ss in rs.scope_spans:
-                            collector.spans.extend((attrs["service.name"], s) for s in ss.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-                self.wfile.write(trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-
-    def snapshot(self) -> list[tuple[str, object]]:
-        with self.lock:
-            return list(self.spans)
-
-
 @pytest.fixture(scope="module")
 def collector():
-    c = Collector()
-    threading.Thread(target=c.serve_forever, daemon=True).start()
-    yield c
-    c.shutdown()
+    with HTTPCollector() as c:
+        yield c
 
 
 def test_one_trace_across_processes(make_checkpoint_module, collector):
@@ -60,7 +24,7 @@ def test_one_trace_across_processes(make_checkpoint_module, collector):
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.server_port}/v1/traces",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url,
         "OTEL_BSP_SCHEDULE_DELAY": "50",  # export within 50 ms of a span's end
     }
     spec = FleetSpec(
@@ -79,10 +43,10 @@ def test_one_trace_across_processes(make_checkpoint_module, collector):
             "the quick brown fox jumps over the lazy dog", raw=True, max_tokens=4
         )
         deadline = time.monotonic() + 30
-        while not {s.name for _, s in collector.snapshot()} >= {"llm_request", "decode"}:
+        while not {s.name for _, s in collector.spans()} >= {"llm_request", "decode"}:
             assert time.monotonic() < deadline, "spans did not arrive"
             time.sleep(0.1)
-    spans = collector.snapshot()  # the fleet has stopped: every exporter flushed at exit
+    spans = collector.spans()  # the fleet has stopped: every exporter flushed at exit
     [root] = [s for _, s in spans if s.name == "llm_request"]
     assert root.attributes  # the collector got attributes over the wire
     trace = [(svc, s) for svc, s in spans if s.trace_id == root.trace_id]

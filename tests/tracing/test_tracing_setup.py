@@ -4,11 +4,9 @@ W3C propagation helpers, and the gRPC server interceptor."""
 from __future__ import annotations
 
 import asyncio
-import http.server
 import os
 import subprocess
 import sys
-import threading
 from concurrent import futures
 
 import grpc
@@ -16,6 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import StatusCode
+from otlp_collector import HTTPCollector, spans_by_service
 
 from llmfleet.services.tokenizer.server import start as start_tokenizer
 from llmfleet.shared import tracing
@@ -106,17 +105,6 @@ class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def _exported(requests: list[trace_service_pb2.ExportTraceServiceRequest]) -> dict[str, set]:
-    """service.name -> span names, over every export request received."""
-    out: dict[str, set] = {}
-    for req in requests:
-        for rs in req.resource_spans:
-            attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-            names = {s.name for ss in rs.scope_spans for s in ss.spans}
-            out.setdefault(attrs.get("service.name", ""), set()).update(names)
-    return out
-
-
 def test_otlp_over_grpc_reaches_a_collector():
     collector = _Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -131,39 +119,26 @@ def test_otlp_over_grpc_reaches_a_collector():
         )
     finally:
         server.stop(0)
-    assert _exported(collector.requests) == {"llmfleet-worker": {"probe-span", "probe-child"}}
+    assert {(svc, s.name) for svc, s in spans_by_service(collector.requests)} == {
+        ("llmfleet-worker", "probe-span"),
+        ("llmfleet-worker", "probe-child"),
+    }
 
 
 def test_otlp_over_http_reaches_a_collector():
-    received: list[tuple[str, bytes]] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            received.append((self.path, body))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.end_headers()
-            self.wfile.write(trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with HTTPCollector() as collector:
         # The traces variable wins over the generic one.
         run_script(
             OTEL_TRACES_EXPORTER="otlp",
             OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
-            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{httpd.server_port}/v1/traces",
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=collector.url,
         )
-    finally:
-        httpd.shutdown()
-    assert [path for path, _ in received] == ["/v1/traces"]
-    reqs = [trace_service_pb2.ExportTraceServiceRequest.FromString(b) for _, b in received]
-    assert _exported(reqs) == {"llmfleet-worker": {"probe-span", "probe-child"}}
+        assert collector.paths() == ["/v1/traces"]
+        assert {(svc, s.name) for svc, s in collector.spans()} == {
+            ("llmfleet-worker", "probe-span"),
+            ("llmfleet-worker", "probe-child"),
+        }
 
 
 def test_traceparent_round_trip():
