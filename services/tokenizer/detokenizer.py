@@ -139,6 +139,9 @@ class IncrementalDetokenizer:
                     break
         context.reverse()
         self._decoder = _TokenDecoder(tokenizer, context, skip_special_tokens)
+        # Models often pad their vocabulary past the tokenizer's (e.g. to a multiple of 64);
+        # such ids have no text, so they decode to nothing, as they would in HF `decode`.
+        self._num_known_ids = len(tokenizer)
         # Decoded text not emitted yet: the longest tail that may still become a stop string.
         # Emitted text can never be part of a stop-string match, so a match lies inside
         # `_held` + the new text.
@@ -165,7 +168,11 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens called after finish()")
         if self._stop_reason is not None:
             return ""
-        new_text = "".join(self._decoder.step(t) for t in token_ids if t not in self._skipped_ids)
+        new_text = "".join(
+            self._decoder.step(t)
+            for t in token_ids
+            if t < self._num_known_ids and t not in self._skipped_ids
+        )
         return self._emit(new_text, final=False)
 
     def finish(self) -> str:

@@ -52,6 +52,9 @@ LATENCY = prometheus_client.Histogram(
 T = TypeVar("T")
 
 
+_MAX_TOKEN_ID = 1 << 31  # past any model's vocabulary
+
+
 def _renamed(exc: ValidationError, field: str) -> ValidationError:
     return ValidationError(field, exc.message)
 
@@ -163,7 +166,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                     raise ValidationError("start", "only the first message may be start")
                 if finished:
                     raise ValidationError("tokens", "the sequence already finished")
-                ids = _check_ids(request.tokens.token_ids, self._vocab_size, "tokens.token_ids")
+                # Generated ids may lie past the tokenizer's vocabulary (a model's padding
+                # rows); they decode to no text. Only negative ids are malformed.
+                ids = _check_ids(request.tokens.token_ids, _MAX_TOKEN_ID, "tokens.token_ids")
                 text = detok.add_tokens(ids)
                 if request.tokens.finished:
                     finished = True

@@ -228,13 +228,26 @@ def test_finished_flushes_held_back_text(tokenizer):
     assert flushed == [("Hello ST", "")]
 
 
+def test_ids_past_the_tokenizer_vocabulary_decode_to_nothing(tokenizer):
+    """A model's padded vocabulary rows (ids >= len(tokenizer)) can be sampled; they have no
+    text, and the text around them is unchanged."""
+    hello = tokenizer.encode("Hello world", add_special_tokens=False)
+    padded = [hello[0], len(tokenizer), len(tokenizer) + 7, *hello[1:]]
+
+    async def body() -> list[tuple[str, str]]:
+        async with serving(tokenizer) as (stub, _):
+            return await _detokenize(stub, _start(), [padded], finish=True)
+
+    assert "".join(text for text, _ in asyncio.run(body())) == "Hello world"
+
+
 @pytest.mark.parametrize(
     ("messages", "field"),
     [
         ([_tokens([1])], "start"),
         ([_start(), _start()], "start"),
         ([_start(), _tokens([1], finished=True), _tokens([2])], "tokens"),
-        ([_start(), _tokens([1, 10**9])], "tokens.token_ids[1]"),
+        ([_start(), _tokens([1, -3])], "tokens.token_ids[1]"),
         ([_start(prompt=[-1])], "start.prompt_token_ids[0]"),
         ([_start(stop=["ok", ""])], "start.stop[1]"),
     ],

@@ -135,6 +135,9 @@ def test_window_stays_short_on_long_output(smollm2_tokenizer) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._tok, name)
 
+        def __len__(self) -> int:
+            return len(self._tok)
+
         def decode(self, ids: list[int], **kwargs: Any) -> str:
             self.longest = max(self.longest, len(ids))
             return self._tok.decode(ids, **kwargs)
