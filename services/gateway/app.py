@@ -13,6 +13,7 @@ call whose gRPC request id is the response's `id`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmfleet.services.gateway import convert
@@ -30,6 +32,7 @@ from llmfleet.services.gateway.errors import APIError, from_client_error, from_v
 from llmfleet.services.gateway.metrics import MetricsMiddleware
 from llmfleet.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from llmfleet.services.gateway.streaming import ChunkBuilder, DisconnectWatch, sse
+from llmfleet.services.gateway.tracing import end_request_span, ending_with, start_request_span
 from llmfleet.services.gateway.upstream import ServedModel, Upstream
 from llmfleet.shared.client import ClientError
 from llmfleet.shared.config import GatewayConfig
@@ -38,6 +41,13 @@ from llmfleet.shared.errors import ValidationError
 logger = logging.getLogger(__name__)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+# FastAPI >= 0.16x traces every request itself (health checks included) once a tracer provider
+# is set; the gateway makes its own span, for generation requests only (tracing.py).
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
+    if "telemetry" in inspect.signature(FastAPI).parameters
+    else {}
+)
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
@@ -57,7 +67,9 @@ def create_app(config: GatewayConfig, *, tokenizer: Any = None) -> FastAPI:
         finally:
             await app.state.upstream.close()
 
-    app = FastAPI(title="llmfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="llmfleet", lifespan=lifespan, docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY
+    )
     app.add_middleware(MetricsMiddleware, endpoints=ROUTES)
     _install_error_handlers(app)
 
@@ -127,6 +139,25 @@ async def _context_left(up: Upstream, served: ServedModel, call: Call) -> int:
 
 
 async def _generate(call: Call, served: ServedModel, up: Upstream, request: Request) -> Response:
+    """`_answer` under the request's span (tracing.py), which a stream ends when it ends."""
+    span = start_request_span(request, call, served.name)
+    try:
+        with trace.use_span(span, end_on_exit=False):
+            response = await _answer(call, served, up, request)
+    except APIError as exc:
+        end_request_span(span, exc.status)
+        raise
+    except BaseException:
+        end_request_span(span, 500)
+        raise
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = ending_with(response.body_iterator, span, response.status_code)
+    else:
+        end_request_span(span, response.status_code)
+    return response
+
+
+async def _answer(call: Call, served: ServedModel, up: Upstream, request: Request) -> Response:
     """Run one Generate call: the whole answer, or an SSE stream once the first delta is in
     (so that errors before it still get their HTTP status)."""
     try:

@@ -15,6 +15,7 @@ import uvicorn
 from llmfleet.services.gateway.app import create_app
 from llmfleet.shared.config import GatewayConfig
 from llmfleet.shared.errors import LLMFleetError
+from llmfleet.shared.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def bound_address(server: uvicorn.Server) -> str:
 async def serve(config: GatewayConfig, *, tokenizer: Any = None) -> None:
     """Serve until a signal; raises LLMFleetError when the app could not start (e.g. the
     tokenizer failed to load; uvicorn has logged why)."""
+    setup_tracing("gateway")  # OTEL_* variables; a bad value stops the start, naming it
     server = build_server(config, tokenizer=tokenizer)
     if config.metrics_port is not None:
         httpd, _ = prometheus_client.start_http_server(config.metrics_port, addr=config.host)
