@@ -151,6 +151,8 @@ class WorkerStatus:
     num_free_blocks: int
     num_total_blocks: int
     num_active_leases: int
+    # KV blocks the scheduler's router believes it holds; None while that view is stale.
+    num_indexed_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,9 @@ def _server_info(pb: generation_pb2.GetServerInfoResponse) -> ServerInfo:
                 num_free_blocks=w.load.num_free_blocks,
                 num_total_blocks=w.load.num_total_blocks,
                 num_active_leases=w.load.num_active_leases,
+                num_indexed_blocks=(
+                    w.num_indexed_blocks if w.HasField("num_indexed_blocks") else None
+                ),
             )
             for w in pb.workers
         ],

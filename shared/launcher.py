@@ -389,6 +389,27 @@ class Fleet:
                 )
             time.sleep(0.1)
 
+    def restart(self, name: str, *, kill: bool = True) -> Child:
+        """Stop one child and start it again with the same flags and ports; returns once it is
+        SERVING (a scheduler: once workers registered with it again).
+
+        `kill`: SIGKILL, as a crash would end it; otherwise SIGTERM and its drain."""
+        c = self.child(name)
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                c.proc.wait(self.spec.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        if c.pump is not None:
+            c.pump.join(5.0)
+        self.children.remove(c)
+        self._spawn([c])
+        self._wait([c], time.monotonic() + self.spec.startup_timeout_s, serving=True)
+        logger.info("%s restarted (pid %d)", c.name, c.proc.pid)  # type: ignore[union-attr]
+        return c
+
     def poll(self) -> Child | None:
         """The first child that has exited, if any."""
         for c in self.children:

@@ -123,6 +123,11 @@ class KVIndex:
         pub = self._pubs.get(publisher_id)
         return pub is None or pub.stale
 
+    def num_blocks(self, publisher_id: str) -> int | None:
+        """Blocks the publisher holds, as far as its events tell; None while stale."""
+        pub = self._pubs.get(publisher_id)
+        return None if pub is None or pub.stale else len(pub.hashes)
+
     def num_resyncs(self, publisher_id: str) -> int:
         pub = self._pubs.get(publisher_id)
         return 0 if pub is None else pub.num_resyncs

@@ -203,6 +203,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     role=_ROLE_TO_PB[w.role],
                     address=w.address,
                     load=load_to_pb(w.load),
+                    num_indexed_blocks=self.sched.kv.index.num_blocks(w.worker_id),
                 )
                 for w in self.sched.registry.live()
             ],

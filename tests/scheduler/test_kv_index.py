@@ -29,6 +29,17 @@ def test_first_contact_is_stale_until_snapshot():
     assert asked == ["w"]
 
 
+def test_num_blocks_is_unknown_while_stale():
+    idx, _ = _index()
+    idx.add_publisher("w")
+    assert idx.num_blocks("w") is None and idx.num_blocks("nobody") is None
+    idx.apply_snapshot(KVSnapshot("w", 1, (H[0], H[1])))
+    idx.apply(KVEvents("w", 2, stored=(H[2],), removed=(H[0],)))
+    assert idx.num_blocks("w") == 2
+    idx.apply(KVEvents("w", 4, stored=(H[3],)))  # a gap: stale until the next snapshot
+    assert idx.num_blocks("w") is None
+
+
 def test_consecutive_events_apply_and_prefix_stops_at_first_miss():
     idx, asked = _index()
     _synced(idx)
