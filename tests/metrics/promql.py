@@ -20,6 +20,7 @@ METRIC_MODULES = (
     "llmfleet.services.worker.lease",
     "llmfleet.services.kvstore.runner",
     "llmfleet.services.tokenizer.server",
+    "llmfleet.services.gateway.metrics",
 )
 
 _KEYWORDS = {
