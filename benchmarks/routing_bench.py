@@ -1,19 +1,23 @@
 """Prefix-aware routing vs round robin: TTFT on the prefix-repetition dataset, one run.
 
     make bench-serve        # this program (also part of `make bench`)
-    .venv/bin/python benchmarks/routing_bench.py [--num-prompts 32] [--kvstore] ...
+    .venv/bin/python benchmarks/routing_bench.py [--num-prompts 32] [--repeats 2] [--kvstore]
 
-For each policy (prefix_aware, then round_robin) it starts a fleet of two unified workers on
-this machine (the bundled SmolLM2 unless --model) and runs `llmfleet bench serve` over gRPC with
-the same prefix-repetition prompts and the same arrival schedule (same seed), then prints both
-TTFT summaries side by side with the round-robin / prefix-aware ratio.
+It starts two fleets of two unified workers each on this machine (the bundled SmolLM2 unless
+--model), one routing prefix_aware and one round_robin, and runs `llmfleet bench serve` over
+gRPC with prefix-repetition prompts against each. Run i (of --repeats) sends the same prompts
+(seed + i: fresh prefixes every run) with the same arrival schedule to both fleets, one after
+the other, in alternating order (prefix_aware first in even runs, round_robin first in odd
+runs), so a slow drift in the load of a shared machine weighs on both policies alike. It
+prints each run's report, then both policies' TTFT over all runs side by side with the
+round-robin / prefix-aware ratio.
 
 What makes the policies differ: a prompt whose prefix is cached on the worker it lands on is
 prefilled from its suffix alone. Prefix-aware routing sends prompts sharing a prefix to the
 same worker; round robin spreads them over both, so each worker computes each prefix itself
 and, with a KV cache too small for every prefix (--num-kv-blocks), evicts prefixes it will
 need again. The shared kvstore is off by default: with it, a worker that misses fetches the
-prefix's KV from the store instead of recomputing it, which hides most of the routing
+prefix's KV from the store instead of recomputing it, which hides much of the routing
 difference (run with --kvstore to see that).
 """
 
@@ -23,8 +27,10 @@ import argparse
 import os
 import platform
 import time
+from contextlib import ExitStack
 
-from llmfleet.shared.benchserve.runner import ServeOutcome, serve
+from llmfleet.shared.benchserve.runner import serve
+from llmfleet.shared.benchserve.stats import BenchmarkMetrics, RequestRecord, compute_metrics
 from llmfleet.shared.cli import build_parser
 from llmfleet.shared.launcher import Fleet, FleetSpec
 
@@ -34,7 +40,8 @@ POLICIES = ("prefix_aware", "round_robin")
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=32, help="per run and policy")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per policy (alternating order)")
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--suffix-len", type=int, default=16)
@@ -54,8 +61,8 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def run_policy(args: argparse.Namespace, policy: str) -> ServeOutcome:
-    spec = FleetSpec(
+def fleet_spec(args: argparse.Namespace, policy: str) -> FleetSpec:
+    return FleetSpec(
         port=0,
         workers=2,
         model=args.model,
@@ -64,54 +71,71 @@ def run_policy(args: argparse.Namespace, policy: str) -> ServeOutcome:
         extra_args={"worker": ["--num-kv-blocks", str(args.num_kv_blocks), "--block-size", "16"]},
         env={"LLMFLEET_NUM_THREADS": str(args.worker_threads)},
     )
-    with Fleet(spec) as fleet:
-        argv = [
-            *("bench", "serve", "--endpoint", fleet.endpoint, "--disable-tqdm"),
-            *("--dataset-name", "prefix-repetition", "--num-prompts", str(args.num_prompts)),
-            *("--prefix-repetition-prefix-len", str(args.prefix_len)),
-            *("--prefix-repetition-suffix-len", str(args.suffix_len)),
-            *("--prefix-repetition-num-prefixes", str(args.num_prefixes)),
-            *("--prefix-repetition-output-len", str(args.output_len)),
-            *("--max-concurrency", str(args.max_concurrency)),
-            *("--request-rate", str(args.request_rate), "--seed", str(args.seed)),
-            *("--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "99"),
-        ]
-        if args.model is not None:
-            argv += ["--tokenizer", args.model]
-        if args.result_dir is not None:
-            argv += ["--save-result", "--result-dir", args.result_dir]
-            argv += ["--result-filename", f"routing-{policy}.json"]
-        print(f"\n## routing policy {policy}", flush=True)
-        outcome = serve(build_parser().parse_args(argv))
-    if outcome.metrics.failed:
-        raise SystemExit(f"{policy}: {outcome.metrics.failed} requests failed")
-    return outcome
+
+
+def bench_argv(args: argparse.Namespace, endpoint: str, policy: str, run: int) -> list[str]:
+    """`llmfleet bench serve` arguments of one run against one fleet."""
+    argv = [
+        *("bench", "serve", "--endpoint", endpoint, "--disable-tqdm"),
+        *("--dataset-name", "prefix-repetition", "--num-prompts", str(args.num_prompts)),
+        *("--prefix-repetition-prefix-len", str(args.prefix_len)),
+        *("--prefix-repetition-suffix-len", str(args.suffix_len)),
+        *("--prefix-repetition-num-prefixes", str(args.num_prefixes)),
+        *("--prefix-repetition-output-len", str(args.output_len)),
+        *("--max-concurrency", str(args.max_concurrency)),
+        *("--request-rate", str(args.request_rate), "--seed", str(args.seed + run)),
+        *("--percentile-metrics", "ttft,e2el", "--metric-percentiles", "99"),
+    ]
+    if args.model is not None:
+        argv += ["--tokenizer", args.model]
+    if args.result_dir is not None:
+        argv += ["--save-result", "--result-dir", args.result_dir]
+        argv += ["--result-filename", f"routing-{policy}-run{run}.json"]
+    return argv
 
 
 def main() -> None:
     args = parse_args()
     started = time.monotonic()
-    results = {policy: run_policy(args, policy) for policy in POLICIES}
-    pa, rr = (results[p].metrics for p in POLICIES)
+    records: dict[str, list[RequestRecord]] = {p: [] for p in POLICIES}
+    seconds = dict.fromkeys(POLICIES, 0.0)
+    with ExitStack() as stack:
+        fleets = {p: Fleet(fleet_spec(args, p)) for p in POLICIES}
+        for fleet in fleets.values():
+            stack.enter_context(fleet)
+        for run in range(args.repeats):
+            for policy in POLICIES if run % 2 == 0 else POLICIES[::-1]:
+                print(f"\n## run {run}, routing policy {policy}", flush=True)
+                argv = bench_argv(args, fleets[policy].endpoint, policy, run)
+                outcome = serve(build_parser().parse_args(argv))
+                if outcome.metrics.failed:
+                    raise SystemExit(f"{policy}: {outcome.metrics.failed} requests failed")
+                records[policy] += outcome.records
+                seconds[policy] += outcome.metrics.duration_s
+    totals = {p: compute_metrics(records[p], seconds[p], [99.0]) for p in POLICIES}
+    print_table(args, totals, time.monotonic() - started)
+
+
+def print_table(
+    args: argparse.Namespace, totals: dict[str, BenchmarkMetrics], elapsed_s: float
+) -> None:
+    pa, rr = (totals[p] for p in POLICIES)
     print(
         f"\n# llmfleet routing bench — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-        f"{os.cpu_count()} cores; 2 unified workers ({args.worker_threads} torch thread each, "
-        f"{args.num_kv_blocks} KV blocks each), kvstore {'on' if args.kvstore else 'off'}; "
-        f"prefix-repetition: {args.num_prompts} prompts, {args.num_prefixes} prefixes of "
-        f"{args.prefix_len} tokens + {args.suffix_len}-token suffixes, {args.output_len} output "
-        f"tokens; max concurrency {args.max_concurrency}, request rate {args.request_rate:g}; "
-        f"{time.monotonic() - started:.0f} s in all"
+        f"{os.cpu_count()} cores; per policy a fleet of 2 unified workers "
+        f"({args.worker_threads} torch thread, {args.num_kv_blocks} KV blocks each), kvstore "
+        f"{'on' if args.kvstore else 'off'}; {args.repeats} runs x {args.num_prompts} "
+        f"prefix-repetition prompts ({args.num_prefixes} prefixes of {args.prefix_len} tokens + "
+        f"{args.suffix_len}-token suffixes, {args.output_len} output tokens), max concurrency "
+        f"{args.max_concurrency}, request rate {args.request_rate:g}; {elapsed_s:.0f} s in all"
     )
     print("| metric | prefix_aware | round_robin | round_robin / prefix_aware |")
     print("|---|---|---|---|")
+    ttft_pa, ttft_rr = pa.distributions["ttft"], rr.distributions["ttft"]
     rows = [
-        ("mean TTFT (ms)", pa.distributions["ttft"].mean, rr.distributions["ttft"].mean),
-        ("median TTFT (ms)", pa.distributions["ttft"].median, rr.distributions["ttft"].median),
-        (
-            "P99 TTFT (ms)",
-            pa.distributions["ttft"].percentiles[99.0],
-            rr.distributions["ttft"].percentiles[99.0],
-        ),
+        ("mean TTFT (ms)", ttft_pa.mean, ttft_rr.mean),
+        ("median TTFT (ms)", ttft_pa.median, ttft_rr.median),
+        ("P99 TTFT (ms)", ttft_pa.percentiles[99.0], ttft_rr.percentiles[99.0]),
         ("mean E2EL (ms)", pa.distributions["e2el"].mean, rr.distributions["e2el"].mean),
         ("output tok/s", pa.output_throughput, rr.output_throughput),
     ]
