@@ -17,8 +17,9 @@ also when d == 0. The group size G is 32, 64 or 128 (GGUF blocks are 32).
 
     x   (M, K) float16/bfloat16, unit stride along K;  out (M, N) in x's dtype.
 
-Decode (small M) is bound by reading qweight (K N / 2 bytes), a quarter of a bf16 weight; the
-launcher splits K over programs so that enough of them stream it.
+Decode (M <= 16) is bound by reading qweight (K N / 2 bytes), a quarter of a bf16 weight: the
+launcher hands it to `int4_gemv` (split-K, nibbles consumed in place, one launch). Larger M runs
+the tensor-core tiles below, which dequantize a (BLOCK_K, BLOCK_N) tile per step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from llmfleet.kernels.int4_gemv import MAX_M as GEMV_MAX_M
+from llmfleet.kernels.int4_gemv import int4_gemv
 
 GROUP_SIZES = (32, 64, 128)
 GGUF_BLOCK = 32  # weights per Q4_0/Q4_1 block
@@ -178,7 +182,9 @@ def int4_matmul(
     group_size: int,
     config: Int4Config | None = None,
 ) -> torch.Tensor:
-    """out (M, N) = x (M, K) @ W (K, N), W unpacked from the layout in the module docstring."""
+    """out (M, N) = x (M, K) @ W (K, N), W unpacked from the layout in the module docstring.
+
+    M <= 16 without an explicit `config` runs `int4_gemv`; a config forces these tiles."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
@@ -198,6 +204,8 @@ def int4_matmul(
         raise ValueError("scales and zeros must share a row stride")
     if x.stride(1) != 1 or qweight.stride(1) != 1:
         raise ValueError("x must be unit-stride along K and qweight along N")
+    if config is None and m <= GEMV_MAX_M:
+        return int4_gemv(x, qweight, scales, zeros, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

@@ -1,0 +1,191 @@
+"""INT4 weight-only GEMM at decode sizes: correctness and a sweep of kernel variants vs bf16.
+
+    python -m llmfleet.kernels.bench_int4 [--quick] [--budget SECONDS]
+
+For every shape (N, K) of a 4096 x 14336 weight in both orientations and M in 1, 4, 16, each
+candidate is first checked against the float32 reference (dequantize, then matmul) on fresh
+random data, twice (split-K sums meet through atomics: a race would show as a moving error),
+and the split-K workspace must be all zeros afterwards. Then it is timed as the median of
+CUDA-graph replays. The weights rotate over enough copies to exceed L2 (a 4096 x 14336 INT4
+weight is 31 MB and would otherwise stay in a 50 MB L2 between replays), and the bf16 baseline
+`x @ w.t()` rotates the same way. GB/s counts weight, scales, zeros, x and out once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+import triton
+
+from llmfleet.kernels import int4_gemv as gv
+from llmfleet.kernels import int4_matmul as i4
+
+ROTATE_BYTES = 200 << 20  # more than twice the L2 of an H100/H200
+
+
+def bench(fn) -> float:
+    """Median microseconds per call over CUDA-graph replays."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+
+
+def rotating(make, nbytes: int):
+    """Copies of `make()` enough to exceed ROTATE_BYTES, and a cycling picker over them."""
+    copies = [make() for _ in range(max(2, -(-ROTATE_BYTES // nbytes)))]
+    it = itertools.cycle(copies)
+    return copies, lambda: next(it)
+
+
+def random_int4(k: int, n: int, group: int, dtype: torch.dtype):
+    q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, device="cuda") * 0.02 + 0.002).to(dtype)
+    zeros = (torch.randint(0, 16, (k // group, n), device="cuda").float() * scales.float()).to(
+        dtype
+    )
+    return i4.pack_int4(q), scales, zeros
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check(run, weights, m: int, k: int, dtype: torch.dtype, group: int) -> float:
+    """Worst relative error of `run(x, qw, s, z)` over two fresh inputs; NaN-poisoned outputs
+    are caught by the isnan check (the launcher allocates with empty, so unwritten -> garbage)."""
+    worst = 0.0
+    for _ in range(2):
+        qw, s, z = weights
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        ref = i4.int4_matmul_ref(x, qw, s, z, group).float()
+        out = run(x, qw, s, z)
+        torch.cuda.synchronize()
+        worst = max(worst, rel_err(out, ref))
+    for ws, cnt in gv._WORKSPACE._by_device.values():
+        if ws.abs().max().item() != 0 or cnt.abs().max().item() != 0:
+            return float("inf")  # the workspace was not re-armed
+    return worst
+
+
+def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
+    """A few block shapes of the kernel that serves M, each split to about the given numbers
+    of programs per SM of a 132-SM part (fewer for groups under 128: a second look)."""
+    if m == 1:  # (block_n, block_kp, warps, programs per SM), float32 kernel
+        shapes = [(64, 16, 4, (4, 7, 12)), (128, 16, 8, (4, 7)), (64, 8, 4, (7, 12))]
+    else:  # tensor-core kernel
+        shapes = [(128, 16, 8, (1, 2, 4)), (64, 16, 4, (2, 4)), (128, 16, 4, (2,))]
+    out = []
+    for bn, bkp, warps, per_sms in shapes:
+        tiles = -(-n // bn)
+        steps = k // 8 // bkp
+        for per_sm in per_sms if group >= 128 else per_sms[:1]:
+            split = 1
+            while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
+                split *= 2
+            stages = 3 if m > 1 else 1
+            cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, stages)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (after warming the clocks)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    triton.testing.do_bench(lambda: a @ a, warmup=300, rep=300)
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (bench(lambda: dst.copy_(src)) * 1e-6)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="group 128 only, default configs only")
+    p.add_argument("--budget", type=float, default=200.0, help="seconds for the sweep")
+    p.add_argument("--log", default=None, help="append every row to this file")
+    args = p.parse_args()
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    log = open(args.log, "a") if args.log else None
+    rows: list[str] = []
+
+    def emit(line: str) -> None:
+        rows.append(line)
+        print(line, flush=True)
+        if log:
+            log.write(line + "\n")
+            log.flush()
+
+    header = f"{'M':>3} {'N':>6} {'K':>6} {'G':>4} {'variant':<34} {'us':>7} {'GB/s':>6}"
+    header += f" {'vs bf16':>7} err"
+    emit(header)
+    groups = [128] if args.quick else [128, 32]
+    dtype = torch.bfloat16
+    for group, (n, k) in itertools.product(groups, [(14336, 4096), (4096, 14336)]):
+        wbytes = k * n // 2 + 2 * (k // group) * n * 2
+        copies, pick = rotating(lambda: random_int4(k, n, group, dtype), wbytes)  # noqa: B023
+        dense = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(2)]
+        dit = itertools.cycle(dense)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            base = bench(lambda: x @ next(dit).t())  # noqa: B023
+            nbytes = wbytes + 2 * m * (k + n)
+
+            def row(name: str, us: float, err: float, nb: int = nbytes) -> None:  # noqa: B008
+                emit(
+                    f"{m:>3} {n:>6} {k:>6} {group:>4} {name:<34} {us:>7.1f}"  # noqa: B023
+                    f" {nb / (us * 1e-6) / 1e9:>6.0f} {base / us:>6.2f}x {err:.1e}"  # noqa: B023
+                )
+
+            row("bf16 x @ w.t()", base, 0.0, 2 * n * k + 2 * m * (k + n))
+            variants: list[tuple[str, object]] = [("default", None)]
+            if not args.quick:
+                variants.append(("old-tiles", i4.default_config(m, n, k, group)))
+                variants += [(str(c), c) for c in gemv_candidates(m, n, k, group)]
+            best = None
+            for name, cfg in variants:
+                if time.perf_counter() - start > args.budget and name != "default":
+                    break
+                if cfg is None:
+                    run = lambda x, q, s, z: i4.int4_matmul(x, q, s, z, group)  # noqa: B023, E731
+                elif isinstance(cfg, i4.Int4Config):
+                    run = lambda x, q, s, z, c=cfg: i4.int4_matmul(x, q, s, z, group, c)  # noqa: B023, E731
+                else:
+                    run = lambda x, q, s, z, c=cfg: gv.int4_gemv(x, q, s, z, group, c)  # noqa: B023, E731
+                try:
+                    err = check(run, copies[0], m, k, dtype, group)
+                    if not err < 1e-2:
+                        row(name, float("nan"), err)
+                        continue
+                    us = bench(lambda: run(x, *pick()))  # noqa: B023
+                except Exception as exc:  # a candidate may not compile or fit
+                    emit(f"  skip {name}: {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+                row(name, us, err)
+                if isinstance(cfg, gv.GemvConfig) and (best is None or us < best[0]):
+                    best = (us, name)
+            if m in (1, 16):  # float16 activations through the default path
+                qh, sh, zh = (t.half() if t.is_floating_point() else t for t in copies[0])
+                err16 = check(
+                    lambda x, q, s, z: i4.int4_matmul(x, q, s, z, group),  # noqa: B023
+                    (qh, sh, zh), m, k, torch.float16, group,
+                )  # fmt: skip
+                row("default float16 (check only)", float("nan"), err16)
+            if best:
+                emit(f"  best M={m} N={n} K={k} G={group}: {best[1]} {best[0]:.1f} us "
+                     f"({base / best[0]:.2f}x bf16)")  # fmt: skip
+        del copies, dense
+        torch.cuda.empty_cache()
+    print("\n" + "\n".join([header] + [r for r in rows if "best" in r or "default" in r]))
+    print(f"elapsed {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

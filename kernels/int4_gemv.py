@@ -1,0 +1,328 @@
+"""INT4 weight-only GEMM for small M (decode): split-K, one launch, weight streamed once.
+
+Same function and layouts as `int4_matmul`:
+
+    x (M, K) fp16/bf16 · W (K, N), W[k, n] = q[k, n] * scales[k // G, n] - zeros[k // G, n],
+    q packed 8 per int32 along K in qweight (K // 8, N), nibble j of word i = row 8 i + j.
+
+At M <= 16 the product is bound by reading qweight (K N / 2 bytes), so each program owns a
+BLOCK_N column slice and a contiguous run of K (split-K) and reads every packed word once. The
+arithmetic per weight is kept small enough to hide under that read:
+
+- Nibbles are never shuffled into k order. The sum over k is order-free, so a tile of packed
+  words (BLOCK_KP rows, BLOCK_N) is consumed one nibble position j at a time: nibble j of word
+  row i is k = 8 i + j and meets the activation x[:, 8 i + j] (strided, tiny, cached).
+- No integer-to-float conversions (a quarter-rate unit). A nibble is masked in place, at bit
+  B = 8, 12 or 16 of the word or of the word shifted once, and OR-ed into the bits of 2**23
+  (0x4B000000): as float32 that is f = 2**23 + q 2**B exactly. Then one FMA gives the weight:
+  w = q s - z = f (s 2**-B) - (2**(23 - B) s + z), with the two factors computed once per
+  group. Rounding the second factor costs at most 2**-(B + 1) s: under the 16-bit rounding
+  that w gets before a dot, and about 2e-4 relative in float32 (measured against the float32
+  reference: 1e-5 .. 3e-4).
+
+Two kernels: M == 1 multiplies in float32 on the CUDA cores, a (BLOCK_KP, BLOCK_N) accumulator
+reduced over packed rows once at the end, with the next step's words, scales and activations
+loaded before the current step is computed (register double buffering: the loads are not dot
+operands, so Triton's pipeliner leaves them alone); 1 < M <= 16 feeds one tensor-core dot per
+nibble position (weights rounded to the activation dtype).
+
+Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a
+column slice (per-slice arrival counter) reads the sums at L2, writes `out` in the activation
+dtype and zeroes the slice's sums and its counter. The workspace is therefore all zeros between
+calls and one launch does the whole product. Calls sharing a device's workspace must be ordered
+(one stream, as the engine runs); CUDA-graph capture is fine once the workspace is allocated.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from llmfleet.kernels.triton_utils import interpreting, launchable
+
+MAX_M = 16  # the launcher serves M <= MAX_M; larger M takes int4_matmul's tensor-core tiles
+_MAGIC = 0x4B000000  # float32 bits of 2**23: a nibble OR-ed into bits 0..19 stays exact
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_kp: int  # packed rows (8 k each) per loop step; >= 16 for the dot kernel
+    split_k: int
+    dot: bool  # tensor-core kernel (any M <= 16) or the float32 one (M == 1)
+    num_warps: int = 4
+    num_stages: int = 1  # Triton's pipelining; the FMA kernel double-buffers by itself
+
+
+@triton.jit
+def _nibble(src, s_b, c_b, magic, B: tl.constexpr):
+    """Weights (float32) from the nibbles at bits B..B+3 of `src`: f * s_b - c_b with
+    s_b = s 2**-B and c_b = 2**(23 - B) s + z. `magic` (0x4B000000) is passed at run time so
+    it sits in a register: one LOP3 takes a single immediate, the mask."""
+    bits = (src & (0xF << B)) | magic
+    return bits.to(tl.float32, bitcast=True) * s_b - c_b
+
+
+@triton.jit
+def _weights(words, s, z, magic, J: tl.constexpr):
+    """The weights of nibble position J (k = 8 i + J) of (BLOCK_KP, BLOCK_N) words.
+
+    Nibbles 0, 1 sit at bits 8, 12 of words << 8; 2, 3, 4 at 8, 12, 16 of words; 5, 6, 7 at
+    8, 12, 16 of words >> 12 (arithmetic: sign copies land above bit 19 and are masked off).
+    The shifted copies are common subexpressions across J."""
+    if J < 2:
+        src = words << 8
+        B: tl.constexpr = 8 + 4 * J
+    elif J < 5:
+        src = words
+        B: tl.constexpr = 4 * J
+    else:
+        src = words >> 12
+        B: tl.constexpr = 4 * J - 12
+    return _nibble(src, s * (1.0 / (1 << B)), s * (1 << (23 - B)) + z, magic, B)
+
+
+@triton.jit
+def _load_step(
+    qw_ptr, scales_ptr, zeros_ptr, step, limit, offs_p, offs_n, n_ok, stride_qk, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_KP: tl.constexpr,
+):  # fmt: skip
+    """Words (BKP, BN) int32 and scales/zeros (BKP, BN) of one K step; packed rows
+    from `limit` on read as zeros (a step past the program's range loads nothing)."""
+    p = step * BLOCK_KP + offs_p
+    p_ok = p < limit
+    words = tl.load(
+        qw_ptr + p[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+        mask=p_ok[:, None] & n_ok[None, :],
+        other=0,
+    )
+    # Scales and zeros per packed row, even when the whole step lies in one group: loading
+    # them in the words' own layout (repeats hit L1) avoids a shared-memory layout exchange
+    # with two barriers per derived factor.
+    g_off = ((p * 8) // GROUP_SIZE)[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
+    ok = p_ok[:, None] & n_ok[None, :]
+    s = tl.load(scales_ptr + g_off, mask=ok, other=0.0)
+    z = tl.load(zeros_ptr + g_off, mask=ok, other=0.0)
+    return words, s, z
+
+
+@triton.jit
+def _splitk_store(
+    acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    o_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        ws_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.atomic_add(ws_ptr + ws_off, acc, mask=o_mask, sem="relaxed")
+        # Every thread's adds are issued before one thread's release-increment of the counter.
+        tl.debug_barrier()
+        counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last split of this tile: all partial sums are in
+            tl.debug_barrier()
+            # Read the sums at L2 (an atomic add of 0), then re-arm workspace and counter.
+            zero = tl.zeros_like(acc)
+            total = tl.atomic_add(ws_ptr + ws_off, zero, mask=o_mask, sem="relaxed")
+            tl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(ws_ptr + ws_off, zero, mask=o_mask)
+            tl.store(counter, 0)
+
+
+@triton.jit
+def _int4_gemv_fma_kernel(
+    x_ptr,  # x (1, K) viewed as int32 (1, K // 2): word h of x holds k = 2h (low), 2h + 1
+    qw_ptr, scales_ptr, zeros_ptr, out_ptr, ws_ptr, cnt_ptr, N, K,
+    stride_qk,  # int32 words between packed rows of qweight (K // 8, N); unit stride along N
+    stride_sg,  # elements between group rows of scales and zeros (K // G, N); unit stride along N
+    magic,
+    GROUP_SIZE: tl.constexpr, SPLIT_K: tl.constexpr, X_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N  # a mask, not clamped columns: keeps the weight loads 16 bytes wide
+    offs_p = tl.arange(0, BLOCK_KP)
+    kp_total = K // 8
+    steps = tl.cdiv(kp_total, BLOCK_KP)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    step = pid_k * per_split
+    step_end = min(step + per_split, steps)
+
+    limit = min(step_end * BLOCK_KP, kp_total)  # this program's packed rows end here
+    acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)  # per packed row i
+    words, s, z = _load_step(
+        qw_ptr, scales_ptr, zeros_ptr, step, limit, offs_p, offs_n, n_ok, stride_qk, stride_sg,
+        GROUP_SIZE, BLOCK_KP,
+    )  # fmt: skip
+    while step < step_end:
+        # Issue the next step's loads first; they land while this step computes.
+        nxt_words, nxt_s, nxt_z = _load_step(
+            qw_ptr, scales_ptr, zeros_ptr, step + 1, limit, offs_p, offs_n, n_ok, stride_qk,
+            stride_sg, GROUP_SIZE, BLOCK_KP,
+        )  # fmt: skip
+        p = step * BLOCK_KP + offs_p
+        p_ok = p < kp_total
+        sf = s.to(tl.float32)
+        zf = z.to(tl.float32)
+        for h in tl.static_range(4):  # x[8 p + 2 h] and x[8 p + 2 h + 1] in one 32-bit load
+            xw = tl.load(x_ptr + p * 4 + h, mask=p_ok, other=0)  # (BKP,) int32
+            if X_BF16:
+                x_lo = (xw << 16).to(tl.float32, bitcast=True)
+                x_hi = (xw & -65536).to(tl.float32, bitcast=True)
+            else:
+                x_lo = xw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                x_hi = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            acc += x_lo[:, None] * _weights(words, sf, zf, magic, 2 * h)
+            acc += x_hi[:, None] * _weights(words, sf, zf, magic, 2 * h + 1)
+        words, s, z = nxt_words, nxt_s, nxt_z
+        step += 1
+    total = tl.sum(acc, axis=0)[None, :]  # (1, BN)
+    _splitk_store(
+        total, out_ptr, ws_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N, 0, pid_n, SPLIT_K
+    )
+
+
+@triton.jit
+def _int4_gemv_dot_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+    stride_xm,  # elements between rows of x (M, K); unit stride along K
+    stride_qk,  # int32 words between packed rows of qweight (K // 8, N); unit stride along N
+    stride_sg,  # elements between group rows of scales and zeros (K // G, N); unit stride along N
+    stride_om,  # elements between rows of out (M, N); unit stride along N
+    magic,
+    GROUP_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # float32 dot operands: the CPU interpreter mis-multiplies bf16
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)  # clamped: x loads stay in bounds
+    n_ok = offs_n < N
+    offs_p = tl.arange(0, BLOCK_KP)
+    kp_total = K // 8
+    steps = tl.cdiv(kp_total, BLOCK_KP)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    step_begin = pid_k * per_split
+    step_end = min(step_begin + per_split, steps)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(step_begin, step_end):
+        words, s, z = _load_step(
+            qw_ptr, scales_ptr, zeros_ptr, step, kp_total, offs_p, offs_n, n_ok, stride_qk,
+            stride_sg, GROUP_SIZE, BLOCK_KP,
+        )  # fmt: skip
+        sf = s.to(tl.float32)
+        zf = z.to(tl.float32)
+        p = step * BLOCK_KP + offs_p
+        x_row = x_ptr + rows[:, None] * stride_xm + (p * 8)[None, :]  # (BM, BKP), nibble 0
+        for j in tl.static_range(8):
+            w = _weights(words, sf, zf, magic, j)  # (BKP, BN) float32, k = 8 p + j
+            xj = tl.load(x_row + j, mask=(p < kp_total)[None, :], other=0.0)  # (BM, BKP)
+            if UPCAST_DOT:
+                acc = tl.dot(xj.to(tl.float32), w, acc)
+            else:
+                acc = tl.dot(xj, w.to(x_ptr.dtype.element_ty), acc)
+    _splitk_store(
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n, SPLIT_K
+    )
+
+
+def default_gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig:
+    """Block shape and split for M <= 16, from the sweep in bench_int4.py on an H200 (132 SMs):
+    M == 1 takes the float32 kernel with 64-column slices split to about 7 programs per SM;
+    larger M the dot kernel, 128 columns, 8 warps, about 2 programs per SM."""
+    if m == 1:
+        block_n, block_kp, per_sm, dot, warps = 64, 16, 7, False, 4
+    else:
+        block_n, block_kp, per_sm, dot, warps = 128, 16, 2, True, 8
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k // 8, block_kp)
+    split = 1
+    while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
+        split *= 2
+    return GemvConfig(block_n, block_kp, split, dot, warps, 1 if not dot else 3)
+
+
+class _Workspace:
+    """Per-device zeroed float32 workspace and arrival counters, grown on demand (never during
+    CUDA-graph capture: the first call at a size must come before capture)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(
+        self, device: torch.device, numel: int, counters: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            ws, cnt = self._by_device.get(device, (None, None))
+            if ws is None or cnt is None or ws.numel() < numel or cnt.numel() < counters:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        "int4 split-K workspace must grow during CUDA-graph capture: "
+                        "run the captured shapes once before capturing"
+                    )
+                ws = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
+                cnt = torch.zeros(max(counters, 1 << 14), dtype=torch.int32, device=device)
+                self._by_device[device] = (ws, cnt)
+            return ws, cnt
+
+
+_WORKSPACE = _Workspace()
+
+
+def int4_gemv(
+    x: torch.Tensor,  # (M, K) fp16/bf16, M <= 16, unit stride along K
+    qweight: torch.Tensor,  # (K // 8, N) int32
+    scales: torch.Tensor,  # (K // G, N) x.dtype
+    zeros: torch.Tensor,  # (K // G, N) x.dtype
+    group_size: int,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """out (M, N) = x @ W for M <= 16. `int4_matmul` validates the layouts and calls this for
+    small M; direct callers pass the same checked tensors."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if m > MAX_M:
+        raise ValueError(f"int4_gemv serves M <= {MAX_M}, got M={m}")
+    cfg = config or default_gemv_config(m, n, k, group_size)
+    if cfg.dot and cfg.block_kp < 16:
+        raise ValueError(f"block_kp={cfg.block_kp} is too small for a dot (>= 16)")
+    if not cfg.dot and m > 1:
+        raise ValueError(f"the float32 kernel serves M == 1, got M={m}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m = 16 if cfg.dot else 1
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), cfg.split_k)
+    ws, cnt = _WORKSPACE.get(x.device, m * n, grid[0] * grid[1])
+    sizes = dict(BLOCK_N=cfg.block_n, BLOCK_KP=cfg.block_kp)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = (qweight, scales, zeros, out, ws, cnt)
+    if not cfg.dot:
+        xw = x.contiguous().view(torch.int32)  # K is a multiple of the group: even
+        launchable(_int4_gemv_fma_kernel)[(grid[0], grid[2])](
+            xw, *common, n, k, qweight.stride(0), scales.stride(0), _MAGIC,
+            GROUP_SIZE=group_size, SPLIT_K=cfg.split_k, X_BF16=x.dtype == torch.bfloat16,
+            **sizes, **launch,
+        )  # fmt: skip
+    else:
+        launchable(_int4_gemv_dot_kernel)[grid](
+            x, *common, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
+            out.stride(0), _MAGIC,
+            GROUP_SIZE=group_size, SPLIT_K=cfg.split_k, UPCAST_DOT=interpreting(),
+            BLOCK_M=block_m, **sizes, **launch,
+        )  # fmt: skip
+    return out
