@@ -22,6 +22,7 @@ import triton
 
 from llmfleet.kernels import int4_gemv as gv
 from llmfleet.kernels import int4_matmul as i4
+from llmfleet.kernels import int4_pack as ip
 
 ROTATE_BYTES = 200 << 20  # more than twice the L2 of an H100/H200
 
@@ -46,7 +47,7 @@ def random_int4(k: int, n: int, group: int, dtype: torch.dtype):
     zeros = (torch.randint(0, 16, (k // group, n), device="cuda").float() * scales.float()).to(
         dtype
     )
-    return i4.pack_int4(q), scales, zeros
+    return ip.pack_int4(q), scales, zeros
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,7 +63,7 @@ def check(run, weights, m: int, k: int, dtype: torch.dtype, group: int) -> float
     for _ in range(2):
         qw, s, z = weights
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        ref = i4.int4_matmul_ref(x, qw, s, z, group).float()
+        ref = ip.int4_matmul_ref(x, qw, s, z, group).float()
         out = run(x, qw, s, z)
         torch.cuda.synchronize()
         worst = max(worst, rel_err(out, ref))

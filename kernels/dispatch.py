@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+import llmfleet.kernels.int4_matmul as _i4
+import llmfleet.kernels.int4_pack as _i4p
 import llmfleet.kernels.kv_cache_write as _kvw
 import llmfleet.kernels.paged_attention_decode as _decode
 import llmfleet.kernels.paged_attention_prefill as _prefill
@@ -99,3 +101,16 @@ def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
     """(num_tokens, 2I) -> silu(x[:, :I]) * x[:, I:]."""
     fn = _silu.silu_and_mul if use_triton(x, force_triton) else _silu.silu_and_mul_ref
     return fn(x)
+
+
+def int4_matmul(
+    x: torch.Tensor,  # (M, K) fp16/bf16 on GPUs; any float dtype for the reference
+    qweight: torch.Tensor,  # (K // 8, N) int32
+    scales: torch.Tensor,  # (K // G, N)
+    zeros: torch.Tensor,  # (K // G, N)
+    group_size: int,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """(M, N) = x @ W, W = q * scales - zeros unpacked per group (kernels/int4_matmul.py)."""
+    fn = _i4.int4_matmul if use_triton(x, force_triton) else _i4p.int4_matmul_ref
+    return fn(x, qweight, scales, zeros, group_size)

@@ -18,7 +18,9 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from llmfleet.kernels import int4_gemv as gv  # noqa: E402
 from llmfleet.kernels import int4_matmul as i4  # noqa: E402
+from llmfleet.kernels import int4_pack as ip  # noqa: E402
 from llmfleet.kernels import quant, scaled_mm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,6 +41,8 @@ def test_kernels_run_in_interpreter() -> None:
         quant._per_token_quant_kernel,
         scaled_mm._scaled_mm_kernel,
         i4._int4_matmul_kernel,
+        gv._int4_gemv_fma_kernel,
+        gv._int4_gemv_dot_kernel,
     ):
         assert isinstance(kernel, InterpretedFunction)
 
@@ -140,14 +144,14 @@ def _random_int4(k: int, n: int, group: int, dtype: torch.dtype):
     q = torch.randint(0, 16, (k, n), dtype=torch.uint8)
     scales = (torch.rand(k // group, n) * 0.02 + 0.005).to(dtype)
     zeros = (torch.randint(0, 16, (k // group, n)).float() * scales.float()).to(dtype)
-    return i4.pack_int4(q).to(DEV), scales.to(DEV), zeros.to(DEV), q
+    return ip.pack_int4(q).to(DEV), scales.to(DEV), zeros.to(DEV), q
 
 
 def test_pack_unpack_roundtrip() -> None:
     q = torch.randint(0, 16, (64, 5), dtype=torch.uint8)
-    packed = i4.pack_int4(q)
+    packed = ip.pack_int4(q)
     assert packed.shape == (8, 5) and packed.dtype == torch.int32
-    assert torch.equal(i4.unpack_int4(packed), q)
+    assert torch.equal(ip.unpack_int4(packed), q)
     # Nibble j of word i is row 8 i + j, lowest nibble first.
     assert (int(packed[0, 0]) & 0xF) == q[0, 0] and ((int(packed[0, 0]) >> 28) & 0xF) == q[7, 0]
 
@@ -161,9 +165,9 @@ def test_pack_gguf_matches_gguf_dequantize(qtype: str) -> None:
     w[3, :32] = 0.5  # a constant block: Q4_1 has d == 0 there
     blocks = gguf.quants.quantize(w, t)
     expected = gguf.quants.dequantize(blocks, t)  # (N, K) float32
-    pack = i4.pack_gguf_q4_0 if qtype == "Q4_0" else i4.pack_gguf_q4_1
+    pack = ip.pack_gguf_q4_0 if qtype == "Q4_0" else ip.pack_gguf_q4_1
     qweight, scales, zeros = pack(blocks)
-    got = i4.dequantize_int4(qweight, scales, zeros, 32)  # (K, N)
+    got = ip.dequantize_int4(qweight, scales, zeros, 32)  # (K, N)
     np.testing.assert_allclose(got.t().numpy(), expected, rtol=0, atol=1e-6)
 
 
@@ -183,8 +187,47 @@ def test_int4_matmul(by_load, dtype, m, n, k, group, block_k, split) -> None:
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     cfg = i4.Int4Config(16, 32, block_k, split_k=split, unpack_by_load=by_load)
     out = i4.int4_matmul(x, qweight, scales, zeros, group, config=cfg)
-    ref = i4.int4_matmul_ref(x, qweight, scales, zeros, group)
+    ref = ip.int4_matmul_ref(x, qweight, scales, zeros, group)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "m,n,k,group,block_n,block_kp,split,dot",
+    [
+        (1, 40, 128, 32, 32, 4, 1, False),  # ragged N, steps inside one group
+        (1, 72, 512, 128, 64, 4, 3, False),  # split not dividing the steps
+        (1, 33, 96, 32, 16, 8, 4, False),  # odd N; block_kp spans groups; an empty split
+        (3, 40, 256, 64, 32, 16, 1, True),
+        (5, 24, 384, 128, 16, 16, 2, True),  # the last step is partial (48 packed rows)
+        (16, 48, 512, 32, 32, 16, 3, True),
+    ],
+)
+def test_int4_gemv(dtype, m, n, k, group, block_n, block_kp, split, dot) -> None:
+    """The decode kernels against the float32 reference, including ragged N, K steps that are
+    cut short, splits that get no work, and groups smaller than a step; the split-K
+    workspace must be back to zeros afterwards (the next call relies on it)."""
+    qweight, scales, zeros, _ = _random_int4(k, n, group, dtype)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    cfg = gv.GemvConfig(block_n, block_kp, split, dot)
+    out = gv.int4_gemv(x, qweight, scales, zeros, group, config=cfg)
+    exact = x.float() @ ip.dequantize_int4(qweight, scales, zeros, group)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, exact) < (2e-3 if dtype == torch.float16 else 1e-2)
+    ws, counters = gv._WORKSPACE.get(torch.device(DEV), 0, 0)
+    assert ws.abs().max().item() == 0 and counters.abs().max().item() == 0
+
+
+def test_int4_matmul_small_m_takes_the_decode_kernel() -> None:
+    qweight, scales, zeros, _ = _random_int4(256, 24, 64, torch.bfloat16)
+    for m in (1, 2):
+        x = torch.randn(m, 256, device=DEV, dtype=torch.bfloat16)
+        out = i4.int4_matmul(x, qweight, scales, zeros, 64)
+        assert rel_err(out, ip.int4_matmul_ref(x, qweight, scales, zeros, 64)) < 1e-2
+    cfg = gv.default_gemv_config(1, 24, 256, 64)
+    assert not cfg.dot and gv.default_gemv_config(2, 24, 256, 64).dot
+    with pytest.raises(ValueError, match="M == 1"):
+        gv.int4_gemv(x, qweight, scales, zeros, 64, config=cfg)
 
 
 def test_int4_matmul_gguf_q4_0_end_to_end() -> None:
@@ -193,7 +236,7 @@ def test_int4_matmul_gguf_q4_0_end_to_end() -> None:
     w = np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32)
     t = gguf.GGMLQuantizationType.Q4_0
     blocks = gguf.quants.quantize(w, t)
-    qweight, scales, zeros = (p.to(DEV) for p in i4.pack_gguf_q4_0(blocks))
+    qweight, scales, zeros = (p.to(DEV) for p in ip.pack_gguf_q4_0(blocks))
     x = torch.randn(2, 128, device=DEV, dtype=torch.float16)
     out = i4.int4_matmul(x, qweight, scales, zeros, 32)
     ref = x.float() @ torch.from_numpy(gguf.quants.dequantize(blocks, t)).to(DEV).t()
@@ -230,12 +273,16 @@ def test_scaled_mm_gpu(dtype, m, n, k) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 16, 128, 1000])
+@pytest.mark.parametrize("m", [1, 4, 16, 128, 1000])
 @pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336)])
 def test_int4_matmul_gpu(group, m, n, k) -> None:
     torch.manual_seed(group + m)
-    qweight, scales, zeros, _ = _random_int4(k, n, group, torch.bfloat16)
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    ref = i4.int4_matmul_ref(x, qweight, scales, zeros, group)
-    out = i4.int4_matmul(x, qweight, scales, zeros, group)
-    assert rel_err(out, ref) < 1e-2
+    dtype = torch.float16 if m == 4 else torch.bfloat16
+    qweight, scales, zeros, _ = _random_int4(k, n, group, dtype)
+    for _ in range(2):  # fresh activations; split-K partial sums must not leak between calls
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        ref = ip.int4_matmul_ref(x, qweight, scales, zeros, group)
+        out = i4.int4_matmul(x, qweight, scales, zeros, group)
+        assert rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-2)
+    ws, counters = gv._WORKSPACE.get(torch.device(DEV), 0, 0)
+    assert ws.abs().max().item() == 0 and counters.abs().max().item() == 0
