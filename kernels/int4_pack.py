@@ -58,7 +58,8 @@ def dequantize_int4(
 
 
 def _gguf_blocks(blocks: np.ndarray | torch.Tensor, block_bytes: int) -> torch.Tensor:
-    t = torch.as_tensor(np.ascontiguousarray(blocks) if isinstance(blocks, np.ndarray) else blocks)
+    # A copy: GGUF tensors are read-only views of the file's memory map.
+    t = torch.from_numpy(np.array(blocks)) if isinstance(blocks, np.ndarray) else blocks
     if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] % block_bytes != 0:
         raise ValueError(f"GGUF blocks must be uint8 (N, nblocks * {block_bytes}), got {t.shape}")
     return t.contiguous().view(t.shape[0], t.shape[1] // block_bytes, block_bytes)

@@ -71,8 +71,12 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tiny_llama_gguf(hf: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
-    """Write `hf` as a llama GGUF; returns the HF-named weights as they round-trip."""
+def write_tiny_llama_gguf(
+    hf: torch.nn.Module, path: Path, quant_of: dict[str, gguf.GGMLQuantizationType] | None = None
+) -> dict[str, torch.Tensor]:
+    """Write `hf` as a llama GGUF (2-D tensors typed by `quant_of`, default QUANT_OF);
+    returns the HF-named weights as they round-trip."""
+    quant_of = QUANT_OF if quant_of is None else quant_of
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny")
@@ -105,7 +109,7 @@ def write_tiny_llama_gguf(hf: torch.nn.Module, path: Path) -> dict[str, torch.Te
             continue  # tied: llama.cpp writes no output.weight
         arr = t.float().numpy()
         gname = _gguf_name(name)
-        qtype = QUANT_OF.get(gname.split(".")[-2], Q.F32) if arr.ndim == 2 else Q.F32
+        qtype = quant_of.get(gname.split(".")[-2], Q.F32) if arr.ndim == 2 else Q.F32
         data = gguf.quants.quantize(arr, qtype)
         expected[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
         if name.endswith("q_proj.weight"):

@@ -29,6 +29,11 @@ from llmfleet.services.worker.attention.backend import AttentionBackend
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from llmfleet.services.worker.attention.reference import TorchReferenceBackend
 from llmfleet.services.worker.models.base import CausalLM
+from llmfleet.services.worker.models.int4_linear import (
+    Int4Linear,
+    PackedInt4,
+    unloaded_int4_linears,
+)
 from llmfleet.services.worker.models.layers import MLP, Attention, RMSNorm, load_shard
 from llmfleet.services.worker.models.moe import SparseMoE
 from llmfleet.services.worker.models.rotary import RotaryEmbedding, rope_parameters
@@ -141,6 +146,11 @@ class DecoderForCausalLM(CausalLM):
 
     # ---- weight loading -------------------------------------------------------------------
 
+    def weight_target(self, hf_name: str) -> tuple[str, int | None, int] | None:
+        """Where `load_weights` puts a checkpoint tensor: (our parameter name, expert index or
+        None, row offset), or None when it is not loaded."""
+        return self._route(hf_name)
+
     def _route(self, name: str) -> tuple[str, int | None, int] | None:
         """HF name -> (our parameter name, expert index or None, row offset); None = ignore."""
         if name.startswith("model."):
@@ -183,6 +193,9 @@ class DecoderForCausalLM(CausalLM):
             if route is None:
                 continue
             name, expert, offset = route
+            if isinstance(tensor, PackedInt4):  # into an Int4Linear, still packed
+                self._load_packed(hf_name, name, tensor, offset)
+                continue
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} matches no model parameter")
@@ -197,6 +210,17 @@ class DecoderForCausalLM(CausalLM):
                 raise ModelLoadError(f"tensor {hf_name!r}: {exc}") from exc
             numel_loaded[name] += tensor.numel()
         missing = [n for n, p in params.items() if numel_loaded[n] != p.numel()]
+        missing += [f"{m}.weight" for m in unloaded_int4_linears(self)]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint lacks weights for {len(missing)} parameters: {shown}")
+
+    def _load_packed(self, hf_name: str, name: str, packed: PackedInt4, offset: int) -> None:
+        module_name = name.removesuffix(".weight")
+        module = self.get_submodule(module_name) if name.endswith(".weight") else None
+        if not isinstance(module, Int4Linear):
+            raise ModelLoadError(f"packed checkpoint tensor {hf_name!r}: {name} is not INT4")
+        try:
+            module.load_shard(packed, offset)
+        except ValueError as exc:
+            raise ModelLoadError(f"tensor {hf_name!r}: {exc}") from exc

@@ -7,6 +7,8 @@ Facts this relies on:
   from HF's half-split rotary layout to interleaved pairs: head rows viewed as (2, D/2) become
   (D/2, 2). `_unpermute_qk` undoes it. Qwen2/Qwen3 keep HF's layout.
 - Embeddings are tied when the file has no `output.weight`.
+- Q4_0/Q4_1 tensors can be streamed packed (`PackedInt4`, group 32) instead of dequantized;
+  the q/k row permutation then applies to the packed output columns.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from llmfleet.kernels.int4_pack import GGUF_BLOCK, pack_gguf_q4_0, pack_gguf_q4_1
+from llmfleet.services.worker.models.int4_linear import PackedInt4
 from llmfleet.shared.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +43,11 @@ SUPPORTED_QUANTS = {
     gguf.GGMLQuantizationType.Q8_0,
     gguf.GGMLQuantizationType.Q4_0,
     gguf.GGMLQuantizationType.Q4_1,
+}
+
+_Q4_PACKERS = {
+    gguf.GGMLQuantizationType.Q4_0: pack_gguf_q4_0,
+    gguf.GGMLQuantizationType.Q4_1: pack_gguf_q4_1,
 }
 
 _GLOBAL_NAMES = {
@@ -147,20 +156,47 @@ class GGUFFile:
         )
         return AutoConfig.for_model(model_type, **kwargs)
 
-    def tensors(self, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 CPU tensor) for every tensor, dequantized and un-permuted."""
+    def q4_weight_names(self) -> set[str]:
+        """HF names of the 2-D tensors stored as Q4_0 or Q4_1 (those that can stay packed)."""
+        return {
+            hf_tensor_name(t.name)
+            for t in self.reader.tensors
+            if t.tensor_type in _Q4_PACKERS and len(t.shape) == 2
+        }
+
+    def tensors(
+        self,
+        config: PretrainedConfig,
+        packed: frozenset[str] = frozenset(),
+        packed_dtype: torch.dtype = torch.float16,
+    ) -> Iterator[tuple[str, torch.Tensor | PackedInt4]]:
+        """(HF name, tensor) for every tensor, un-permuted: float32 CPU tensors, dequantized,
+        except the Q4 tensors named in `packed`, which come as `PackedInt4` (CPU tensors,
+        scales and zeros in `packed_dtype`)."""
         permuted = GGUF_ARCHS[self.arch][2]
+        heads = {
+            "q_proj.weight": config.num_attention_heads,
+            "k_proj.weight": config.num_key_value_heads,
+        }
         for t in self.reader.tensors:
             if t.tensor_type not in SUPPORTED_QUANTS:
                 raise ModelLoadError(
                     f"{self.path}: tensor {t.name} has unsupported type {t.tensor_type.name}"
                 )
             name = hf_tensor_name(t.name)
+            n_head = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
+            if name in packed:
+                if t.tensor_type not in _Q4_PACKERS:
+                    raise ModelLoadError(f"{self.path}: tensor {t.name} is not Q4_0/Q4_1")
+                qweight, scales, zeros = _Q4_PACKERS[t.tensor_type](t.data, packed_dtype)
+                p = PackedInt4(qweight, scales, zeros, GGUF_BLOCK)
+                if permuted and n_head is not None:
+                    p = p.permute_rows(_unpermute_qk(np.arange(p.shape[0]), n_head))
+                yield name, p
+                continue
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy (rows, cols) float32
-            if permuted and name.endswith("q_proj.weight"):
-                w = _unpermute_qk(w, config.num_attention_heads)
-            elif permuted and name.endswith("k_proj.weight"):
-                w = _unpermute_qk(w, config.num_key_value_heads)
+            if permuted and n_head is not None:
+                w = _unpermute_qk(w, n_head)
             w = np.ascontiguousarray(w, dtype=np.float32)
             if not w.flags.writeable:  # F32 tensors come straight from the read-only mmap
                 w = w.copy()

@@ -22,14 +22,17 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from llmfleet.kernels.int4_pack import GGUF_BLOCK
 from llmfleet.services.worker.attention.backend import AttentionBackend
 from llmfleet.services.worker.attention.selector import select_backend
 from llmfleet.services.worker.models.architectures import model_class
 from llmfleet.services.worker.models.base import CausalLM
 from llmfleet.services.worker.models.decoder import DecoderForCausalLM
-from llmfleet.services.worker.models.gguf_file import GGUFFile
+from llmfleet.services.worker.models.gguf_file import GGUFFile, hf_tensor_name
+from llmfleet.services.worker.models.int4_linear import use_int4_linears
 from llmfleet.services.worker.models.rotary import RotaryEmbedding
 from llmfleet.shared.errors import ModelLoadError
 
@@ -159,6 +162,36 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def int4_packed_weights(gf: GGUFFile, model: DecoderForCausalLM) -> tuple[set[str], set[str]]:
+    """The nn.Linear weights of `model` that can keep INT4 weights packed, and the HF names of
+    their checkpoint tensors. A weight qualifies when every tensor loaded into it is Q4_0/Q4_1
+    (a fused qkv or gate_up projection needs all of its shards so); embeddings, the output
+    head and stacked experts stay dense."""
+    q4 = gf.q4_weight_names()
+    sources: dict[str, list[str]] = {}
+    for t in gf.reader.tensors:
+        hf = hf_tensor_name(t.name)
+        target = model.weight_target(hf)
+        if target is not None:
+            name, expert, _ = target
+            sources.setdefault(name if expert is None else f"{name}[{expert}]", []).append(hf)
+    targets = {
+        name
+        for name, hf_names in sources.items()
+        if name.endswith(".weight")
+        and name != "lm_head.weight"
+        and all(h in q4 for h in hf_names)
+        and isinstance(model.get_submodule(name.removesuffix(".weight")), nn.Linear)
+    }
+    return targets, {h for name in targets for h in sources[name]}
+
+
+def keeps_int4(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether GGUF Q4 weights stay packed by default: on CUDA with 16-bit activations (the
+    Triton kernel's dtypes). CPU loads dequantize, as the CPU fleet always has."""
+    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 # ---- assembly -----------------------------------------------------------------------------
 
 
@@ -198,10 +231,15 @@ def load_model(
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
     progress: bool = True,
+    int4_weights: bool | None = None,
 ) -> LoadedModel:
-    """Load a model and its tokenizer. `path` None loads the bundled SmolLM2-135M-Instruct."""
+    """Load a model and its tokenizer. `path` None loads the bundled SmolLM2-135M-Instruct.
+
+    `int4_weights`: keep GGUF Q4_0/Q4_1 linear weights packed (Int4Linear) instead of
+    dequantizing them; None means `keeps_int4(device, dtype)`."""
     start = time.perf_counter()
     resolved = resolve_model_path(path)
+    gf: GGUFFile | None = None
     if resolved.is_dir():
         if not (resolved / "config.json").is_file():
             raise ModelLoadError(f"{resolved} has no config.json")
@@ -243,6 +281,10 @@ def load_model(
     if backend is None:
         backend = select_backend(device)
     model = build_model(config, dtype=dtype, device=device, backend=backend)
+    if gf is not None and (keeps_int4(device, dtype) if int4_weights is None else int4_weights):
+        targets, hf_names = int4_packed_weights(gf, model)
+        use_int4_linears(model, targets, GGUF_BLOCK, dtype)
+        weights = gf.tensors(config, packed=frozenset(hf_names), packed_dtype=dtype)
     model.load_weights(_stream_with_progress(weights, total, progress))
 
     eos_ids += _as_ids(tokenizer.eos_token_id)
