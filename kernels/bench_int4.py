@@ -109,6 +109,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="group 128 only, default configs only")
     p.add_argument("--budget", type=float, default=200.0, help="seconds for the sweep")
     p.add_argument("--log", default=None, help="append every row to this file")
+    p.add_argument("--old-tiles", action="store_true", help="also time the M > 16 tile kernel")
     args = p.parse_args()
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -147,8 +148,9 @@ def main() -> None:
 
             row("bf16 x @ w.t()", base, 0.0, 2 * n * k + 2 * m * (k + n))
             variants: list[tuple[str, object]] = [("default", None)]
-            if not args.quick:
+            if args.old_tiles:
                 variants.append(("old-tiles", i4.default_config(m, n, k, group)))
+            if not args.quick:
                 variants += [(str(c), c) for c in gemv_candidates(m, n, k, group)]
             best = None
             for name, cfg in variants:
