@@ -36,6 +36,11 @@ def prompts(tokenizer, count: int, n_tokens: int) -> list[list[int]]:
     return out
 
 
+def shifted(ps: list[list[int]], k: int) -> list[list[int]]:
+    """The same prompts with every id moved by `k` (distinct blocks, same lengths)."""
+    return [[(t + k) % 40000 for t in p] for p in ps]
+
+
 def timings(token_times: list[float], start: float) -> tuple[float, float]:
     ttft = token_times[0] - start
     itl = (token_times[-1] - token_times[0]) / max(len(token_times) - 1, 1)
@@ -87,7 +92,8 @@ def summary(rows: list[tuple[float, float]]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=8, help="per side and round")
+    ap.add_argument("--rounds", type=int, default=3, help="in-process and fleet runs alternate")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker")
@@ -96,24 +102,41 @@ def main() -> None:
     llm = LLM(EngineConfig())
     ps = prompts(llm.tokenizer, args.requests + 1, args.prompt_tokens)
     bench_in_process(llm, ps[:1], 4)  # warm-up
-    ours = bench_in_process(llm, ps[1:], args.max_tokens)
-    del llm
     env = {"LLMFLEET_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {}
+    ours: list[tuple[float, float]] = []
+    fleet_rows: list[tuple[float, float]] = []
+    step_sum = step_count = 0.0
     with Fleet(FleetSpec(port=0, workers=1, echo=False, env=env)) as fleet:
         bench_fleet(fleet.endpoint, ps[:1], 4)  # warm-up
         [worker] = fleet.workers
         metrics_port = worker.argv[worker.argv.index("--metrics-port") + 1]
-        before = step_seconds(metrics_port)
-        # Distinct prompts so neither side gets prefix-cache hits.
-        fleet_rows = bench_fleet(fleet.endpoint, [p[::-1] for p in ps[1:]], args.max_tokens)
-        after = step_seconds(metrics_port)
-    step_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
+        # Rounds alternate the two sides so that both see the same machine (this VM's speed
+        # drifts by several ms per token over minutes). The fleet idles during in-process runs.
+        for r in range(args.rounds):
+            # Distinct prompts per side and round, so that no run gets prefix-cache hits.
+            ours += bench_in_process(llm, shifted(ps[1:], 2 * r), args.max_tokens)
+            before = step_seconds(metrics_port)
+            fleet_rows += bench_fleet(fleet.endpoint, shifted(ps[1:], 2 * r + 1), args.max_tokens)
+            after = step_seconds(metrics_port)
+            step_sum += after[0] - before[0]
+            step_count += after[1] - before[1]
+            n = len(ps) - 1
+            (ti, ii), (tf, itf) = summary(ours[-n:]), summary(fleet_rows[-n:])
+            step = (after[0] - before[0]) / max(after[1] - before[1], 1)
+            print(
+                f"round {r + 1}: TTFT {ti * 1e3:.1f} / {tf * 1e3:.1f} ms, ITL {ii * 1e3:.2f} / "
+                f"{itf * 1e3:.2f} ms (in-process / fleet), worker step {step * 1e3:.2f} ms",
+                flush=True,
+            )
+    del llm
+    step_ms = step_sum / max(step_count, 1) * 1e3
     ttft_in, itl_in = summary(ours)
     ttft_fl, itl_fl = summary(fleet_rows)
     print(
         f"\n# llmfleet fleet bench — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, float32, SmolLM2-135M, "
-        f"{args.requests} sequential requests, {args.prompt_tokens}-token prompts, "
+        f"{args.rounds} alternating rounds of {args.requests} sequential requests per side, "
+        f"{args.prompt_tokens}-token prompts, "
         f"{args.max_tokens} output tokens (medians)"
     )
     print("| metric | in-process engine | fleet (gRPC + ZMQ, 4 services) | fleet vs in-process |")

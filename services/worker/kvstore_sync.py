@@ -50,9 +50,11 @@ class KVStoreSync:
         if not hashes:
             return None
         engine = self._engine
+        # The local count (an engine op) and the kvstore's lookup (an RPC) run concurrently.
+        local = self._loop.submit(engine.num_cached_prefix_blocks, hashes)
         try:
-            num_local = await self._loop.call(engine.num_cached_prefix_blocks, hashes)
             num_remote = await self.client.lookup(self._layout_key, hashes)
+            num_local = await local
             if num_remote > num_local:
                 frames = await self.client.get(self._layout_key, hashes[:num_remote])
                 shape, dtype = engine.kv_block_shape, engine.kv_dtype

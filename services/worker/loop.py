@@ -129,45 +129,42 @@ class EngineLoop:
         while not self.idle:
             await self._idle.wait()
 
-    async def _apply_ops(self) -> bool:
-        """Apply the queued ops on the engine thread; their futures settle when it is done,
-        even if this loop is cancelled meanwhile (the ops have run: callers see the results)."""
-        if not self._ops:
-            return False
-        ops = list(self._ops)
-        self._ops.clear()
-        done = self.thread.submit(_apply, ops)
-        done.add_done_callback(functools.partial(_settle, ops))
-        await asyncio.shield(done)
-        return True
-
-    def _step(self) -> list[RequestOutput]:
-        """One engine step (on the engine thread); a failed step aborts every request."""
+    def _iterate(
+        self, ops: list[Op], loop: asyncio.AbstractEventLoop
+    ) -> tuple[list[RequestOutput], float | None]:
+        """On the engine thread: apply `ops`, hand their results to the event loop at once,
+        then run one step if anything is unfinished. Returns (outputs, step seconds or None)."""
+        if ops:
+            results = _apply(ops)
+            loop.call_soon_threadsafe(_settle, ops, results)
+        if not self.engine.has_unfinished():
+            return [], None
+        started = time.perf_counter()
+        self.step_started_ns = time.time_ns()
         try:
-            return self.engine.step()
+            outputs = self.engine.step()
         except Exception:
             logger.exception("engine step failed; aborting every request")
             for rid in self.engine.request_ids():
                 self.engine.abort(rid)
-            raise
+            return [], None
+        return outputs, time.perf_counter() - started
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            did_ops = await self._apply_ops()
-            outputs: list[RequestOutput] = []
-            stepped = False
-            if self.engine.has_unfinished():
-                started = time.perf_counter()
-                self.step_started_ns = time.time_ns()
-                try:
-                    outputs = await self.thread.run(self._step)
-                except Exception:
-                    pass  # logged, and every request aborted, by _step
-                else:
-                    self.num_steps += 1
-                    stepped = True
-                    self._metrics.on_step(time.perf_counter() - started, self.engine.last_step_cost)
-            if did_ops or stepped:
+            ops = list(self._ops)
+            self._ops.clear()
+            # One hop to the engine thread per iteration. The ops' callers resume as soon as
+            # the ops ran, while the step goes on; were this task cancelled meanwhile, the
+            # thread still finishes the iteration (shielded) and the callers get their results.
+            done = self.thread.submit(self._iterate, ops, loop)
+            done.add_done_callback(functools.partial(_settle_if_failed, ops))
+            outputs, seconds = await asyncio.shield(done)
+            if seconds is not None:
+                self.num_steps += 1
+                self._metrics.on_step(seconds, self.engine.last_step_cost)
+            if ops or seconds is not None:
                 try:
                     await self._on_iteration(self.num_steps, outputs)
                 except Exception:
@@ -178,13 +175,15 @@ class EngineLoop:
                 await self._wake.wait()
 
 
-def _settle(ops: list[Op], done: asyncio.Future[list[tuple[bool, Any]]]) -> None:
-    """On the event loop: hand each op's result or error to its caller."""
-    if done.cancelled() or done.exception() is not None:  # the executor itself failed
+def _settle_if_failed(ops: list[Op], done: asyncio.Future[Any]) -> None:
+    """The engine thread itself failed (not an op, not a step): fail the ops' callers."""
+    if done.cancelled() or done.exception() is not None:
         err = done.exception() if not done.cancelled() else asyncio.CancelledError()
-        results: list[tuple[bool, Any]] = [(False, err)] * len(ops)
-    else:
-        results = done.result()
+        _settle(ops, [(False, err)] * len(ops))
+
+
+def _settle(ops: list[Op], results: list[tuple[bool, Any]]) -> None:
+    """On the event loop: hand each op's result or error to its caller (once)."""
     for (_, fut), (ok, value) in zip(ops, results, strict=True):
         if fut is None:
             if not ok:

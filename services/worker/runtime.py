@@ -323,12 +323,21 @@ class WorkerRuntime:
     ) -> int:
         """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached."""
         engine, loop = self._engine_loop()
-        await loop.call(engine.validate_request, request_id, prompt, params)
+        valid = loop.submit(engine.validate_request, request_id, prompt, params)
         hashes = hash_block_chain(
             prompt, self.ec.block_size, HashContext(engine.info.model_id, cache_salt)
         )
         kvstore = self.kvstore
-        num_remote = await kvstore.fetch_prefix(hashes) if kvstore is not None else None
+        # The kvstore fetch starts while the request is validated (both are on the TTFT path);
+        # an invalid request cancels it.
+        fetch = asyncio.create_task(kvstore.fetch_prefix(hashes)) if kvstore else None
+        try:
+            await valid
+        except BaseException:
+            if fetch is not None:
+                fetch.cancel()
+            raise
+        num_remote = await fetch if fetch is not None else None
         rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
 
         def admit() -> int:

@@ -5,6 +5,7 @@ with the model's shape (estimated FLOPs and bytes)."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from collections import Counter
@@ -47,6 +48,8 @@ def fleet(model, tmp_path_factory):
             "kvstore": ["--disk-dir", str(tmp_path_factory.mktemp("kvdisk"))],
         },
         startup_timeout_s=240,
+        gateway=True,  # its /metrics too
+        http_port=0,
     )
     with Fleet(spec) as f:
         yield f
@@ -91,6 +94,18 @@ def wait_for(fleet: Fleet, child: str, name: str, at_least: float, **labels: str
 def traffic(fleet):
     """Runs the requests once; returns (results, scrapes before, after the warm-up, at the end)."""
     client = GenerationClient(fleet.endpoint)
+    # One through the OpenAI gateway, before the first scrape: its metrics exist from then on,
+    # and it counts in no delta below (the scheduler's e2e count includes it).
+    body = {"model": client.model_info().model_id, "prompt": "hello gateway", "max_tokens": 2}
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            f"{fleet.http_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        ),
+        timeout=60,
+    ) as r:
+        assert r.status == 200
     before = scrape_all(fleet)
     # Warm-up, n=2: served by the decode worker alone, which puts the shared prefix's blocks
     # into the kvstore; the prefill worker then fetches them for the first long prompt.
@@ -112,7 +127,7 @@ def traffic(fleet):
     results.append(client.generate("hello metrics", raw=True, **GREEDY))  # tokenized
     # The scheduler ends a request's bookkeeping (and releases a lease, fire-and-forget) just
     # after the last message leaves: let that land before the final scrape.
-    wait_for(fleet, "scheduler", "vllm:e2e_request_latency_seconds_count", 1 + len(results))
+    wait_for(fleet, "scheduler", "vllm:e2e_request_latency_seconds_count", 2 + len(results))
     [decode] = [c.name for c in fleet.workers if c.role == "decode"]
     wait_for(fleet, decode, "llmfleet:kv_leases_total", 1, state="released")
     after = scrape_all(fleet)
@@ -222,8 +237,9 @@ def test_kv_transfer_leases_and_kvstore_metrics_move(fleet, traffic):
     s = after["scheduler"]
     assert total(s, "llmfleet:lease_outcomes_total", outcome="committed") == 3
     assert total(s, "llmfleet:lease_outcomes_total", outcome="released") == 1
-    # Routing: each lease request picks a decode and a prefill worker, the others one worker.
-    assert total(s, "llmfleet:routing_decisions_total") == 2 * leased + 3
+    # Routing: each lease request picks a decode and a prefill worker, the others one worker
+    # (three, and the gateway's before the first scrape).
+    assert delta(s, before["scheduler"], "llmfleet:routing_decisions_total") == 2 * leased + 3
 
     kv = after["kvstore"]
     hits = total(kv, "llmfleet:kvstore_hits_total")
@@ -238,7 +254,7 @@ def test_kv_transfer_leases_and_kvstore_metrics_move(fleet, traffic):
 
     tok = after["tokenizer"]
     name = "llmfleet:tokenizer_latency_seconds_count"
-    assert total(tok, name, op="tokenize") == 1  # the one text prompt
+    assert delta(tok, before["tokenizer"], name, op="tokenize") == 1  # the one text prompt
     assert total(tok, name, op="detokenize") >= 7  # at least one message per request
 
 
@@ -280,3 +296,12 @@ def test_the_dashboard_reads_only_scraped_metrics(traffic):
     scraped = all_names(after.values())
     missing = dashboard_metric_names() - scraped
     assert not missing, sorted(missing)
+
+
+def test_gateway_counts_its_request(traffic):
+    *_, after = traffic
+    gw = after["gateway"]
+    assert total(gw, "llmfleet:gateway_requests_total", endpoint="/v1/completions") == 1
+    assert total(gw, "llmfleet:gateway_requests_total", status="200") == 1
+    duration = "llmfleet:gateway_request_duration_seconds_count"
+    assert total(gw, duration, endpoint="/v1/completions") == 1
