@@ -301,7 +301,9 @@ def test_the_dashboard_reads_only_scraped_metrics(traffic):
 def test_gateway_counts_its_request(traffic):
     *_, after = traffic
     gw = after["gateway"]
-    assert total(gw, "llmfleet:gateway_requests_total", endpoint="/v1/completions") == 1
-    assert total(gw, "llmfleet:gateway_requests_total", status="200") == 1
+    completions = {"endpoint": "/v1/completions"}
+    assert total(gw, "llmfleet:gateway_requests_total", **completions) == 1
+    assert total(gw, "llmfleet:gateway_requests_total", **completions, status="200") == 1
+    assert total(gw, "llmfleet:gateway_requests_total", endpoint="/health") >= 1  # the launcher
     duration = "llmfleet:gateway_request_duration_seconds_count"
     assert total(gw, duration, endpoint="/v1/completions") == 1
