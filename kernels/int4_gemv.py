@@ -21,10 +21,15 @@ arithmetic per weight is kept small enough to hide under that read:
   reference: 1e-5 .. 3e-4).
 
 Two kernels: M == 1 multiplies in float32 on the CUDA cores, a (BLOCK_KP, BLOCK_N) accumulator
-reduced over packed rows once at the end, with the next step's words, scales and activations
-loaded before the current step is computed (register double buffering: the loads are not dot
-operands, so Triton's pipeliner leaves them alone); 1 < M <= 16 feeds one tensor-core dot per
-nibble position (weights rounded to the activation dtype).
+reduced over packed rows once at the end, with the next step's words and scales loaded before
+the current step is computed (register double buffering: these loads feed no dot, so Triton's
+pipeliner leaves them alone); 1 < M <= 16 feeds one tensor-core dot per nibble position
+(weights rounded to the activation dtype).
+
+Measured on an H200 (docs/benchmarks.md): about 5.7 instructions per weight in the M == 1 loop
+(SASS) and 1.5-1.6x the bf16 matmul; the dot kernel stays under the bf16 matmul at M = 16
+because every nibble position's activation slice crosses shared memory (a layout exchange with
+two barriers) on its way into the dot operand.
 
 Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a
 column slice (per-slice arrival counter) reads the sums at L2, writes `out` in the activation
@@ -179,8 +184,9 @@ def _int4_gemv_fma_kernel(
                 x_lo = (xw << 16).to(tl.float32, bitcast=True)
                 x_hi = (xw & -65536).to(tl.float32, bitcast=True)
             else:
-                x_lo = xw.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                x_hi = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                x_lo = (xw & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                x_hi = (xw >> 16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+                x_hi = x_hi.to(tl.float32)
             acc += x_lo[:, None] * _weights(words, sf, zf, magic, 2 * h)
             acc += x_hi[:, None] * _weights(words, sf, zf, magic, 2 * h + 1)
         words, s, z = nxt_words, nxt_s, nxt_z
@@ -240,19 +246,20 @@ def _int4_gemv_dot_kernel(
 
 
 def default_gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig:
-    """Block shape and split for M <= 16, from the sweep in bench_int4.py on an H200 (132 SMs):
-    M == 1 takes the float32 kernel with 64-column slices split to about 7 programs per SM;
-    larger M the dot kernel, 128 columns, 8 warps, about 2 programs per SM."""
+    """Block shape and split for M <= 16: the fastest of the sweep in bench_int4.py on an H200
+    (132 SMs; 4096 x 14336 weights both ways, groups 32 and 128, M = 1, 4, 16). M == 1 takes
+    the float32 kernel with 64-column slices split to about 7 programs per SM; larger M the
+    dot kernel, 128 columns, 4 warps, about 2 programs per SM."""
     if m == 1:
-        block_n, block_kp, per_sm, dot, warps = 64, 16, 7, False, 4
+        block_n, block_kp, per_sm, dot = 64, 16, 7, False
     else:
-        block_n, block_kp, per_sm, dot, warps = 128, 16, 2, True, 8
+        block_n, block_kp, per_sm, dot = 128, 16, 2, True
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k // 8, block_kp)
     split = 1
     while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
         split *= 2
-    return GemvConfig(block_n, block_kp, split, dot, warps, 1 if not dot else 3)
+    return GemvConfig(block_n, block_kp, split, dot, 4, 3 if dot else 1)
 
 
 class _Workspace:

@@ -187,3 +187,17 @@ def hf_logits(hf: torch.nn.Module, prompts: list[list[int]]) -> list[torch.Tenso
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     scale = ref.abs().max().item()
     torch.testing.assert_close(ours, ref, atol=1e-4 * max(scale, 1.0), rtol=1e-4)
+
+
+def greedy_tokens(engine: Any, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """`steps` greedy tokens (ignore_eos) per prompt from an LLMEngine, in prompt order."""
+    from llmfleet.services.worker.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]

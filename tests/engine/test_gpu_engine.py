@@ -18,14 +18,9 @@ STEPS = 32
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    from tiny_models import greedy_tokens
+
+    return greedy_tokens(engine, prompts, STEPS)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])

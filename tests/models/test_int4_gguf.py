@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_gguf import write_tiny_llama_gguf
-from tiny_models import PROMPT_LENS, Runner, build_hf_model, random_prompts
+from tiny_models import PROMPT_LENS, Runner, build_hf_model, greedy_tokens, random_prompts
 
 from llmfleet.kernels import int4_pack as ip
 from llmfleet.services.worker.models.int4_linear import (
@@ -133,21 +133,10 @@ def test_int4_rows_loaded_are_accounted(tmp_path: Path, cache_dir) -> None:
 
 def _greedy(loaded, prompts: list[list[int]], steps: int) -> list[list[int]]:
     from llmfleet.services.worker.engine.engine import LLMEngine
-    from llmfleet.services.worker.engine.sampling_params import SamplingParams
     from llmfleet.shared.config import EngineConfig
 
-    engine = LLMEngine(
-        EngineConfig(device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=64),
-        loaded,
-    )
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    cfg = EngineConfig(device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+    return greedy_tokens(LLMEngine(cfg, loaded), prompts, steps)
 
 
 def _top2_margin(loaded, ids: list[int]) -> float:
