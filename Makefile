@@ -64,6 +64,7 @@ bench-serve: $(STAMP)
 bench-gpu:
 	python3 -m llmfleet.kernels.bench_attention
 	python3 -m llmfleet.kernels.bench_matmul_moe
+	python3 benchmarks/gpu_decode_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

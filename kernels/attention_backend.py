@@ -18,6 +18,9 @@ class TritonAttentionBackend:
     """Stateless; `kv_cache` is mutated in place (only at this step's slots)."""
 
     name = "triton"
+    # Decode: the grid and split-K follow num_seqs and the max_seq_len bound; kernels read the
+    # true lengths from seq_lens and skip slot -1 (padding), so graphs may replay it.
+    cuda_graph_safe = True
 
     def __init__(self, force_triton: bool = False) -> None:
         # force_triton: run the kernels in Triton's CPU interpreter (tests) instead of

@@ -41,6 +41,9 @@ class EngineConfig:
     max_n: int = 16
     max_logprobs: int = 20
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    # CUDA devices: decode steps of up to this many sequences replay CUDA graphs captured at
+    # start-up (capped by max_num_seqs); 0 runs every step eagerly. Ignored on the CPU.
+    cuda_graph_max_batch_size: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -64,6 +67,11 @@ class EngineConfig:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.max_n < 1 or self.max_logprobs < 0:
             raise ValidationError("max_n", "max_n must be >= 1 and max_logprobs >= 0")
+        if self.cuda_graph_max_batch_size < 0:
+            raise ValidationError(
+                "cuda_graph_max_batch_size",
+                f"must be >= 0 (0 disables CUDA graphs), got {self.cuda_graph_max_batch_size}",
+            )
 
     @property
     def torch_dtype(self) -> Any:

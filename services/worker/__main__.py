@@ -25,7 +25,7 @@ _WORKER_FLAGS = (
 )  # fmt: skip
 _ENGINE_FLAGS = (
     "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len",
+    "max_num_batched_tokens", "max_model_len", "cuda_graph_max_batch_size",
 )  # fmt: skip
 
 
@@ -53,6 +53,11 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
     p.add_argument("--max-num-seqs", type=int, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step")
     p.add_argument("--max-model-len", type=int, help="context length cap")
+    p.add_argument(
+        "--cuda-graph-max-batch-size",
+        type=int,
+        help="CUDA: replay graphs for decode batches up to this size (default 64; 0: eager)",
+    )
     args = vars(p.parse_args(argv))
     try:
         worker = from_env(WorkerConfig, **{k: args[k] for k in _WORKER_FLAGS})

@@ -17,6 +17,10 @@ from llmfleet.services.worker.attention.metadata import AttentionMetadata
 
 class AttentionBackend(Protocol):
     name: str
+    # True when a pure-decode `forward` can be captured in a CUDA graph: no host syncs, launch
+    # shapes from `meta.num_seqs` and the bound `meta.max_seq_len` only (which a graph sets to
+    # the static context limit), lengths read from the device tensors alone.
+    cuda_graph_safe: bool
 
     def forward(
         self,

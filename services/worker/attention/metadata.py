@@ -14,8 +14,13 @@ KV cache layout, one tensor per layer (shared by the CPU reference and the Trito
                                  at offset t % block_size
     slot = block_id * block_size + offset   (so kv_cache[0].view(-1, H, D)[slot] is its key)
 
-`slot_mapping[j]` is the slot where new token j's key and value are written this step.
+`slot_mapping[j]` is the slot where new token j's key and value are written this step; a
+negative slot marks a padding token whose key and value are not written.
 Block ids in `block_tables` rows past a sequence's last block are padding and must not be read.
+
+Inside a CUDA graph (engine/cuda_graphs.py) the host-side fields are bounds, not values:
+`max_seq_len` and `seq_lens_cpu` hold the static context limit, and the true lengths are only
+in the device tensors.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ class TorchReferenceBackend:
     """AttentionBackend in plain PyTorch; stateless, one instance may serve every layer."""
 
     name = "torch_reference"
+    cuda_graph_safe = False  # sizes its gathers from the host-side lengths
 
     def forward(
         self,

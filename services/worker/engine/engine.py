@@ -105,6 +105,9 @@ class LLMEngine:
             dtype=config.torch_dtype,
             device=self.device,
         )
+        graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
+        if self.device.type == "cuda" and graph_batch > 0:
+            self.runner.capture_decode_graphs(graph_batch, self.max_model_len)
         self.sampler = Sampler()
         self.model_shape = model_shape(self.model, self.kv_dtype.itemsize)
         self.last_step_cost = StepCost()  # of the latest step (zero: it ran no batch)

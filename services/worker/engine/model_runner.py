@@ -3,6 +3,10 @@
 The batch has no padding: the new tokens of every scheduled request laid end to end, with
 their positions and slots in the paged cache. Only the rows that reach their request's last
 token go through the LM head.
+
+On CUDA, after `capture_decode_graphs`, a pure-decode step (one new token per sequence) of at
+most the captured batch size replays a CUDA graph instead (see cuda_graphs.py): padded to a
+captured size, every row through the LM head, the padding rows' logits dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from llmfleet.services.worker.engine.block_manager import BlockManager
+from llmfleet.services.worker.engine.cuda_graphs import DecodeGraphs, PaddedDecoder
 from llmfleet.services.worker.engine.scheduler import SchedulerOutput
 from llmfleet.services.worker.models.loader import ModelInfo
 
@@ -27,7 +32,9 @@ def kv_bytes_per_block(info: ModelInfo, block_size: int, dtype: torch.dtype) -> 
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # (num_sampling_rows, vocab) float32
+    # (num_sampling_rows, vocab) float32; after a graph replay a view of the graphs' static
+    # buffer, valid until the next step
+    logits: torch.Tensor
     sampling_rows: list[int]  # index into scheduled of each logits row
 
 
@@ -57,6 +64,29 @@ class ModelRunner:
             bs,
             block_manager.num_blocks * kv_bytes_per_block(info, bs, dtype) / 2**20,
         )
+        # The captured decode graphs (in CPU tests: the same padded path, run eagerly).
+        self.decode_graphs: PaddedDecoder | None = None
+
+    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture CUDA graphs for decode batches of up to `max_batch_size` sequences whose
+        contexts stay within `max_model_len`; later pure-decode steps that fit replay them.
+        A model whose attention backend is not graph-safe keeps running eagerly."""
+        backend = getattr(self.model, "backend", None)
+        if not getattr(backend, "cuda_graph_safe", False):
+            logger.warning(
+                "attention backend %r cannot run inside CUDA graphs: decode steps run eagerly",
+                getattr(backend, "name", type(backend).__name__),
+            )
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            vocab_size=self.info.vocab_size,
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
 
     # ---- KV block copies (export, import, lease transfer) ------------------------------------
     # A payload is (nb, num_layers, 2, block_size, num_kv_heads, head_dim): block-major, so
@@ -93,6 +123,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
+        if self.decode_graphs is not None and all(s.num_new_tokens == 1 for s in sched.scheduled):
+            step = self._replay_decode(sched, self.decode_graphs)
+            if step is not None:
+                return step
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -123,3 +157,20 @@ class ModelRunner:
             hidden = hidden[torch.tensor(sample_tokens, device=self.device)]
         logits = self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32
         return StepOutput(logits, sampling_rows)
+
+    def _replay_decode(self, sched: SchedulerOutput, graphs: PaddedDecoder) -> StepOutput | None:
+        """A pure-decode step through a captured graph; None when the batch does not fit."""
+        token_ids, positions, tables = [], [], []
+        for s in sched.scheduled:
+            req = s.request
+            pos = req.num_computed_tokens
+            token_ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            tables.append(self.bm.block_ids(req.request_id))
+        if not graphs.fits(positions, tables):
+            return None
+        logits = graphs.run(token_ids, positions, tables)  # (n, vocab)
+        rows = [j for j, s in enumerate(sched.scheduled) if s.samples]
+        if len(rows) != len(token_ids):
+            logits = logits[torch.tensor(rows, device=self.device)]
+        return StepOutput(logits, rows)

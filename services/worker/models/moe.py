@@ -4,6 +4,9 @@ Expert weights are stacked so that one fused-MoE kernel can replace `fused_moe_r
 
     w13: (E, 2I, hidden)   rows [gate_e | up_e] of expert e
     w2:  (E, hidden, I)
+
+Paths: CPU `fused_moe_reference`; CUDA half precision the Triton routing + fused MoE kernels
+(kernels/fused_moe.py); CUDA float32 `fused_moe_dense`.
 """
 
 from __future__ import annotations
@@ -61,6 +64,30 @@ def fused_moe_reference(
     return out
 
 
+def fused_moe_dense(
+    x: torch.Tensor,  # (T, hidden)
+    w13: torch.Tensor,  # (E, 2I, hidden)
+    w2: torch.Tensor,  # (E, hidden, I)
+    topk_weights: torch.Tensor,  # (T, k) float32
+    topk_ids: torch.Tensor,  # (T, k) integer
+) -> torch.Tensor:  # (T, hidden)
+    """The function of `fused_moe_reference` with every expert run over every token and its
+    output weighted by the token's routing weight (zero when not chosen).
+
+    No data-dependent shape and no host sync, so a CUDA graph can capture it, at E/k times the
+    FLOPs: the path for float32 models on GPUs (verification runs), where the Triton kernel
+    (half precision only) does not apply.
+    """
+    t, num_experts = x.shape[0], w13.shape[0]
+    combine = torch.zeros((t, num_experts), dtype=x.dtype, device=x.device)  # (T, E)
+    combine.scatter_(1, topk_ids.long(), topk_weights.to(x.dtype))
+    out = torch.zeros_like(x)
+    for e in range(num_experts):
+        h = silu_and_mul(x @ w13[e].t())  # (T, I)
+        out.addcmul_(h @ w2[e].t(), combine[:, e : e + 1])  # (T, hidden)
+    return out
+
+
 class SparseMoE(nn.Module):
     """Router + stacked experts. `renormalize` is True for Mixtral, `norm_topk_prob` for Qwen3."""
 
@@ -80,5 +107,14 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        # On CUDA both paths are free of host syncs, so decode steps can run in CUDA graphs.
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            from llmfleet.kernels.fused_moe import fused_moe  # Triton: only needed on GPUs
+            from llmfleet.kernels.moe_routing import topk_routing
+
+            weights, ids = topk_routing(self.gate(x), self.top_k, self.renormalize)
+            return fused_moe(x, self.w13, self.w2, weights, ids)
         weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)  # (T, k) each
+        if x.is_cuda:
+            return fused_moe_dense(x, self.w13, self.w2, weights, ids)
         return fused_moe_reference(x, self.w13, self.w2, weights, ids)

@@ -1,0 +1,123 @@
+"""Decode steps replayed from CUDA graphs give the eager engine's greedy tokens.
+
+Run on the GPU machine: `pytest -m gpu -s tests/engine/test_cuda_graphs.py` (-s shows the
+per-step timings).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from llmfleet.services.worker.engine.engine import LLMEngine
+from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.services.worker.models.loader import LoadedModel, load_model
+from llmfleet.shared.config import EngineConfig
+
+pytestmark = pytest.mark.gpu
+STEPS = 32
+BATCHES = (1, 3, 17)
+CFG = dict(device="cuda", block_size=16, num_kv_blocks=256, max_num_batched_tokens=2048)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+    """Greedy tokens of each prompt, and the median wall time of the pure-decode steps (ms)."""
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    times = []
+    while engine.has_unfinished():
+        decode = engine.scheduler.running and not engine.scheduler.waiting
+        start = time.perf_counter()
+        outputs = engine.step()  # the sampler's .tolist() waits for the GPU
+        if decode:
+            times.append(time.perf_counter() - start)
+        for o in outputs:
+            out[o.request_id].extend(o.new_token_ids)
+    times.sort()
+    return [out[f"r{i}"] for i in range(len(prompts))], 1e3 * times[len(times) // 2]
+
+
+@pytest.fixture(scope="module")
+def loaded(make_checkpoint_module) -> dict[str, LoadedModel]:
+    return {
+        arch: load_model(str(make_checkpoint_module(arch)), device="cuda", progress=False)
+        for arch in ("llama", "qwen3_moe")
+    }
+
+
+def ragged_prompts(vocab: int, n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(2, 90, (n,), generator=g).tolist()  # >= 2: prefill is not decode
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_graphs_give_eager_tokens(arch, loaded):
+    model = loaded[arch]
+    eager = LLMEngine(EngineConfig(cuda_graph_max_batch_size=0, **CFG), model)
+    graphed = LLMEngine(EngineConfig(**CFG), model)
+    assert eager.runner.decode_graphs is None
+    graphs = graphed.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    rows = []
+    for batch in BATCHES:
+        prompts = ragged_prompts(model.info.vocab_size, batch)
+        want, eager_ms = greedy(eager, prompts)
+        replays = graphs.num_replays
+        got, graph_ms = greedy(graphed, prompts)
+        assert got == want, f"batch {batch}"
+        assert all(len(t) == STEPS for t in got)
+        # One prefill step (every prompt fits the token budget), then STEPS - 1 replays.
+        assert graphs.num_replays - replays == STEPS - 1
+        rows.append(f"{arch} batch {batch:2d}: eager {eager_ms:.2f} ms, graphs {graph_ms:.2f} ms")
+    assert graphed.num_free_blocks == eager.num_free_blocks == 256
+    print("\ndecode step (median, engine.step incl. scheduling and sampling)")
+    print("\n".join(rows))
+
+
+def test_batches_above_the_max_run_eagerly(loaded):
+    model = loaded["llama"]
+    prompts = ragged_prompts(model.info.vocab_size, 17)
+    want, _ = greedy(LLMEngine(EngineConfig(cuda_graph_max_batch_size=0, **CFG), model), prompts)
+    engine = LLMEngine(EngineConfig(cuda_graph_max_batch_size=16, **CFG), model)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.sizes[-1] == 16
+    got, _ = greedy(engine, prompts)
+    assert got == want
+    assert graphs.num_replays == 0
+    got, _ = greedy(engine, prompts[:16])
+    assert got == want[:16]
+    # STEPS - 1 decode steps; the prefill step too when prefix-cache hits leave one token each.
+    assert STEPS - 1 <= graphs.num_replays <= STEPS
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_bf16_graph_logits_close_to_eager(arch, make_checkpoint_module):
+    """bf16 (Triton fused MoE for qwen3_moe): padding changes the matmul shapes, so the logits
+    agree to bf16 rounding, not bit for bit."""
+    model = load_model(
+        str(make_checkpoint_module(arch)), dtype=torch.bfloat16, device="cuda", progress=False
+    )
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", **CFG), model)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ragged_prompts(model.info.vocab_size, 5)):
+        engine.add_request(f"r{i}", p, params)
+    engine.step()  # prefill
+    sched = engine.scheduler.schedule()
+    runner = engine.runner
+    graphs = runner.decode_graphs
+    assert graphs is not None
+    replayed = runner.execute(sched).logits.clone()
+    assert graphs.num_replays == 1
+    runner.decode_graphs = None
+    try:
+        eager = runner.execute(sched).logits
+    finally:
+        runner.decode_graphs = graphs
+    assert replayed.shape == eager.shape == (5, model.info.vocab_size)
+    scale = eager.abs().max().item()
+    assert (replayed - eager).abs().max().item() <= 0.02 * scale

@@ -1,0 +1,108 @@
+"""A decode batch padded for a CUDA graph, through the Triton attention backend, equals the
+unpadded batch through the reference: padding rows write no KV and real rows' outputs match,
+with the grid sized from the static context bound instead of the batch's longest context.
+
+Compiled on a CUDA machine (where the bound of 1024 tokens splits every context into four
+partitions, so padding rows also go through the split-K reduction), in Triton's interpreter on
+the CPU (one partition).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# See test_attention_kernels.py: on a CPU-only machine the interpreter flag must be set before
+# anything imports triton.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from tiny_models import greedy_tokens  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
+from llmfleet.services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from llmfleet.services.worker.attention.reference import TorchReferenceBackend  # noqa: E402
+from llmfleet.services.worker.engine.cuda_graphs import (  # noqa: E402
+    DecodeBuffers,
+    PaddedDecoder,
+)
+from llmfleet.services.worker.engine.engine import LLMEngine  # noqa: E402
+from llmfleet.services.worker.models.loader import load_model  # noqa: E402
+from llmfleet.shared.config import EngineConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5 if DEVICE == "cpu" else 5e-3  # compiled fp32 dots may use tf32
+
+
+@pytest.fixture(autouse=True)
+def _triton_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        if not isinstance(tl.zeros, InterpretedFunction):
+            pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: rerun with it set")
+
+
+@pytest.mark.parametrize(("seq_lens", "padded"), [([1, 10, 5], 4), ([37], 2), ([3, 600], 8)])
+def test_padded_decode_equals_unpadded(seq_lens: list[int], padded: int) -> None:
+    g = torch.Generator().manual_seed(len(seq_lens) * 100 + padded)
+    heads, kv_heads, dim, block_size, num_blocks, max_len = 4, 2, 16, 4, 200, 1024
+    n = len(seq_lens)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # block 0 stays unused
+    tables, used = [], 0
+    for s in seq_lens:
+        nb = -(-s // block_size)
+        tables.append(perm[used : used + nb].tolist())
+        used += nb
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(DEVICE)
+    q = torch.randn(padded, heads, dim, generator=g).to(DEVICE)
+    k = torch.randn(padded, kv_heads, dim, generator=g).to(DEVICE)
+    v = torch.randn(padded, kv_heads, dim, generator=g).to(DEVICE)
+
+    ref_cache = cache.clone()
+    ref_meta = AttentionMetadata.build([1] * n, seq_lens, tables, block_size, device=DEVICE)
+    ref = TorchReferenceBackend().forward(q[:n], k[:n], v[:n], ref_cache, ref_meta, dim**-0.5)
+
+    width = max_len // block_size
+    host = DecodeBuffers(padded, width, block_size)
+    dev = DecodeBuffers(padded, width, block_size, device=DEVICE)
+    host.fill(list(range(3, 3 + n)), [s - 1 for s in seq_lens], tables, padded)
+    dev.copy_from(host, padded)
+    meta = dev.metadata(padded, max_seq_len=max_len)
+    backend = TritonAttentionBackend(force_triton=True)
+    out = backend.forward(q, k, v, cache, meta, dim**-0.5)
+
+    assert torch.equal(cache, ref_cache), "padding rows must not write KV"
+    err = (out[:n] - ref).abs().max().item()
+    assert err <= TOL * max(1.0, ref.abs().max().item()), err
+    assert torch.isfinite(out).all(), "padding rows read a finite context"
+
+
+def test_engine_on_the_padded_path_gives_eager_tokens(make_checkpoint, tmp_path) -> None:
+    """The whole step as a graph replays it (3 sequences padded to 4, static buffers, bound
+    metadata), run eagerly, against the engine's unpadded step: the same greedy tokens."""
+    steps = 6
+    backend = TritonAttentionBackend(force_triton=True)
+    loaded = load_model(
+        str(make_checkpoint("llama", tmp_path)), device=DEVICE, backend=backend, progress=False
+    )
+    cfg = EngineConfig(device=DEVICE, block_size=16, num_kv_blocks=32, cuda_graph_max_batch_size=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 17, 33)]
+    want = greedy_tokens(LLMEngine(cfg, loaded), prompts, steps)
+    engine = LLMEngine(cfg, loaded)
+    padded = PaddedDecoder(
+        loaded.model,
+        engine.runner.kv_caches,
+        max_batch_size=4,
+        max_model_len=engine.max_model_len,
+        vocab_size=loaded.info.vocab_size,
+    )
+    assert padded.sizes == [1, 2, 4]
+    engine.runner.decode_graphs = padded
+    assert greedy_tokens(engine, prompts, steps) == want
+    assert padded.num_replays == steps - 1
+    assert engine.num_free_blocks == 32
