@@ -194,3 +194,11 @@ def test_validation_names_the_field(loaded):
     with pytest.raises(CapacityError):
         small.add_request("big", list(range(3, 20)), SamplingParams(max_tokens=4))
     assert small.num_free_blocks == 2
+
+
+def test_engine_refuses_a_config_dtype_other_than_the_models(loaded):
+    """The KV cache is made in the config's dtype; a model loaded in another would fail in
+    the attention kernels instead."""
+    with pytest.raises(ValidationError) as e:
+        engine_with(loaded, dtype="bfloat16")
+    assert e.value.field == "dtype" and "float32" in e.value.message

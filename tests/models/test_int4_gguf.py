@@ -135,7 +135,10 @@ def _greedy(loaded, prompts: list[list[int]], steps: int) -> list[list[int]]:
     from llmfleet.services.worker.engine.engine import LLMEngine
     from llmfleet.shared.config import EngineConfig
 
-    cfg = EngineConfig(device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+    dtype = str(loaded.info.dtype).removeprefix("torch.")
+    cfg = EngineConfig(
+        device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64, max_num_batched_tokens=64
+    )
     return greedy_tokens(LLMEngine(cfg, loaded), prompts, steps)
 
 

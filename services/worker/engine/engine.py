@@ -80,6 +80,12 @@ class LLMEngine:
         self.info = loaded.info
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(config.device)
+        if self.info.dtype != config.torch_dtype:  # the KV cache is made in the config's dtype
+            raise ValidationError(
+                "dtype",
+                f"the model was loaded in {self.info.dtype}, the engine is configured for "
+                f"{config.dtype}",
+            )
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(
