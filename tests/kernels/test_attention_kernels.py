@@ -20,8 +20,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from llmfleet.kernels import dispatch  # noqa: E402
 from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
@@ -45,14 +43,6 @@ SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 tolerance: exact-ish in the interpreter, tf32 tensor cores when compiled.
 FP32_TOL = 1e-5 if DEVICE == "cpu" else 5e-3
-
-
-@pytest.fixture(autouse=True)
-def _triton_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        if not isinstance(tl.zeros, InterpretedFunction):
-            pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: rerun with it set")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

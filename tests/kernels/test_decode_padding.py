@@ -19,9 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
 from tiny_models import greedy_tokens  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
 from llmfleet.services.worker.attention.metadata import AttentionMetadata  # noqa: E402
@@ -36,14 +34,6 @@ from llmfleet.shared.config import EngineConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5 if DEVICE == "cpu" else 5e-3  # compiled fp32 dots may use tf32
-
-
-@pytest.fixture(autouse=True)
-def _triton_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        if not isinstance(tl.zeros, InterpretedFunction):
-            pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: rerun with it set")
 
 
 @pytest.mark.parametrize(("seq_lens", "padded"), [([1, 10, 5], 4), ([37], 2), ([3, 600], 8)])

@@ -15,8 +15,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from llmfleet.kernels import dispatch  # noqa: E402
 from llmfleet.kernels.rms_norm import rms_norm, rms_norm_ref  # noqa: E402
@@ -29,14 +27,6 @@ from llmfleet.kernels.rotary import (  # noqa: E402
 from llmfleet.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _triton_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        if not isinstance(tl.zeros, InterpretedFunction):
-            pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: rerun with it set")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
