@@ -50,7 +50,7 @@ class EngineThread:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.ident: int | None = None  # the thread's id, once it has run something
+        self.ident: int | None = None  # the thread's id (set below, before any work)
         self._executor.submit(self._remember_ident).result()
 
     def _remember_ident(self) -> None:
