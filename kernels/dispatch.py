@@ -15,8 +15,10 @@ import llmfleet.kernels.int4_pack as _i4p
 import llmfleet.kernels.kv_cache_write as _kvw
 import llmfleet.kernels.paged_attention_decode as _decode
 import llmfleet.kernels.paged_attention_prefill as _prefill
+import llmfleet.kernels.quant as _quant
 import llmfleet.kernels.rms_norm as _rms
 import llmfleet.kernels.rotary as _rot
+import llmfleet.kernels.scaled_mm as _smm
 import llmfleet.kernels.silu_and_mul as _silu
 from llmfleet.kernels.triton_utils import interpreting
 
@@ -114,3 +116,28 @@ def int4_matmul(
     """(M, N) = x @ W, W = q * scales - zeros unpacked per group (kernels/int4_matmul.py)."""
     fn = _i4.int4_matmul if use_triton(x, force_triton) else _i4p.int4_matmul_ref
     return fn(x, qweight, scales, zeros, group_size)
+
+
+def per_token_quant(
+    x: torch.Tensor,  # (M, K) float, unit stride along K
+    dtype: torch.dtype = _quant.FP8_DTYPE,
+    force_triton: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (M, K) `dtype`, scale (M, 1) float32), x ~= q * scale (kernels/quant.py)."""
+    fn = _quant.per_token_quant if use_triton(x, force_triton) else _quant.per_token_quant_ref
+    return fn(x, dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # (M, K) activations, unit stride along K
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (N,) float32, per output channel
+    out_dtype: torch.dtype,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """(M, N) = x @ (weight * weight_scale)^T with x quantized to FP8 per token first."""
+    if use_triton(x, force_triton):
+        q, scale = _quant.per_token_quant(x)
+        return _smm.scaled_mm(q, weight, scale, weight_scale, out_dtype)
+    q, scale = _quant.per_token_quant_ref(x)
+    return _smm.scaled_mm_ref(q, weight, scale, weight_scale, out_dtype)

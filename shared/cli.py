@@ -53,6 +53,9 @@ def _mode_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="--offline: cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="--offline: FP8 weights (CUDA)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
 
 
@@ -77,6 +80,9 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: bundled)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="workers serve FP8 weights (CUDA)"
+    )
     p.add_argument(
         "--routing-policy", default=None, choices=["round_robin", "least_load", "prefix_aware"]
     )
@@ -236,7 +242,7 @@ class CompletionPrinter:
 def _client(args: argparse.Namespace):  # -> GenerationClient
     from llmfleet.shared.client import GenerationClient
 
-    for flag in ("model", "device", "dtype"):
+    for flag in ("model", "device", "dtype", "quantization"):
         if getattr(args, flag) is not None:
             raise ValidationError(
                 f"--{flag}",
@@ -312,7 +318,13 @@ def _llm(args: argparse.Namespace):  # -> LLM
     from llmfleet.services.worker.engine.llm import LLM
     from llmfleet.shared.config import EngineConfig, from_env
 
-    config = from_env(EngineConfig, model=args.model, device=args.device, dtype=args.dtype)
+    config = from_env(
+        EngineConfig,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+    )
     return LLM(config)
 
 
@@ -359,6 +371,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         routing_policy=args.routing_policy,
         kvstore=not args.no_kvstore,
         gateway=not args.no_gateway,
@@ -379,6 +392,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 None,
                 None,
             )
+            chat_args.quantization = None
             return remote_chat(chat_args)
 
     return run(spec, session=session)

@@ -44,11 +44,24 @@ class EngineConfig:
     # CUDA devices: decode steps of up to this many sequences replay CUDA graphs captured at
     # start-up (capped by max_num_seqs); 0 runs every step eagerly. Ignored on the CPU.
     cuda_graph_max_batch_size: int = 64
+    # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
+    # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValidationError(
                 "dtype", f"must be float32, bfloat16 or float16, got {self.dtype}"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ValidationError("quantization", f"must be fp8 or unset, got {self.quantization}")
+        if self.quantization == "fp8" and (
+            self.dtype == "float32" or not self.device.startswith("cuda")
+        ):
+            raise ValidationError(
+                "quantization",
+                f"fp8 needs device cuda and dtype bfloat16 or float16 "
+                f"(got device {self.device}, dtype {self.dtype})",
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValidationError("block_size", f"must be a power of two, got {self.block_size}")

@@ -63,7 +63,8 @@ class FleetStartError(LLMFleetError):
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """What to start. Unset engine options (model, device, dtype) take the services' defaults."""
+    """What to start. Unset engine options (model, device, dtype, quantization) take the
+    services' defaults."""
 
     host: str = "127.0.0.1"
     port: int = 50051  # the public (scheduler) port; 0: any free port
@@ -74,6 +75,7 @@ class FleetSpec:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    quantization: str | None = None  # "fp8": workers quantize their weights at load
     routing_policy: str | None = None
     kvstore: bool = True
     gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
@@ -251,6 +253,7 @@ class Fleet:
             ("--model", spec.model),
             ("--device", spec.device),
             ("--dtype", spec.dtype),
+            ("--quantization", spec.quantization),
         ):
             if value is not None:
                 engine += [flag, value]

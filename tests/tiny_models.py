@@ -201,3 +201,23 @@ def greedy_tokens(engine: Any, prompts: list[list[int]], steps: int) -> list[lis
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
     return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def prefill_logits(loaded: LoadedModel, ids: list[int], device: str = "cuda") -> torch.Tensor:
+    """(len(ids), V) float32 logits of one prefill of `ids` over a fresh cache on `device`."""
+    info, n = loaded.info, len(ids)
+    blocks = -(-n // 16)
+    shape = (2, blocks, 16, info.num_kv_heads, info.head_dim)
+    kv = [torch.zeros(shape, device=device, dtype=info.dtype) for _ in range(info.num_layers)]
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], 16, device=device)
+    with torch.no_grad():
+        h = loaded.model(torch.tensor(ids, device=device), torch.arange(n, device=device), kv, meta)
+        return loaded.model.compute_logits(h)
+
+
+def top2_margin(loaded: LoadedModel, ids: list[int], device: str = "cuda") -> float:
+    """Gap between the two largest next-token logits after `ids`, relative to the largest
+    magnitude: how close the greedy choice is to a tie."""
+    logits = prefill_logits(loaded, ids, device)[-1]
+    top = logits.topk(2).values
+    return ((top[0] - top[1]) / logits.abs().max()).item()

@@ -25,7 +25,7 @@ _WORKER_FLAGS = (
 )  # fmt: skip
 _ENGINE_FLAGS = (
     "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len", "cuda_graph_max_batch_size",
+    "max_num_batched_tokens", "max_model_len", "cuda_graph_max_batch_size", "quantization",
 )  # fmt: skip
 
 
@@ -48,6 +48,11 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
     p.add_argument("--model", help="HF checkpoint directory or .gguf file (default: bundled)")
     p.add_argument("--device", help="cpu, cuda, cuda:N")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, 16-bit dtype)",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
     p.add_argument("--max-num-seqs", type=int, help="sequences per step")

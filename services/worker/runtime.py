@@ -137,7 +137,13 @@ class WorkerRuntime:
         thread = self.engine_thread  # every torch op of this process runs there (loop.py)
         if loaded is None:
             ec = self.ec
-            loaded = await thread.run(load_model, ec.model, dtype=ec.torch_dtype, device=ec.device)
+            loaded = await thread.run(
+                load_model,
+                ec.model,
+                dtype=ec.torch_dtype,
+                device=ec.device,
+                quantization=ec.quantization,
+            )
         self._loaded = None  # the engine owns it now
         engine = self.engine = await thread.run(LLMEngine, self.ec, loaded)
         engine.drain_kv_events()  # turns event recording on

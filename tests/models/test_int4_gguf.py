@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_gguf import write_tiny_llama_gguf
-from tiny_models import PROMPT_LENS, Runner, build_hf_model, greedy_tokens, random_prompts
+from tiny_models import (
+    PROMPT_LENS,
+    Runner,
+    build_hf_model,
+    greedy_tokens,
+    random_prompts,
+    top2_margin,
+)
 
 from llmfleet.kernels import int4_pack as ip
 from llmfleet.services.worker.models.int4_linear import (
@@ -142,23 +149,6 @@ def _greedy(loaded, prompts: list[list[int]], steps: int) -> list[list[int]]:
     return greedy_tokens(LLMEngine(cfg, loaded), prompts, steps)
 
 
-def _top2_margin(loaded, ids: list[int]) -> float:
-    """Gap between the two largest next-token logits after `ids`, relative to the largest
-    magnitude (one prefill over a fresh cache)."""
-    from llmfleet.services.worker.attention.metadata import AttentionMetadata
-
-    info, n = loaded.info, len(ids)
-    blocks = -(-n // 16)
-    shape = (2, blocks, 16, info.num_kv_heads, info.head_dim)
-    kv = [torch.zeros(shape, device="cuda", dtype=info.dtype) for _ in range(info.num_layers)]
-    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], 16, device="cuda")
-    with torch.no_grad():
-        h = loaded.model(torch.tensor(ids, device="cuda"), torch.arange(n, device="cuda"), kv, meta)
-        logits = loaded.model.compute_logits(h[-1:])[0]
-    top = logits.topk(2).values
-    return ((top[0] - top[1]) / logits.abs().max()).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_packed_q4_gives_the_dequantized_greedy_tokens(tmp_path: Path, cache_dir, dtype):
@@ -179,4 +169,4 @@ def test_gpu_packed_q4_gives_the_dequantized_greedy_tokens(tmp_path: Path, cache
         assert len(a) == len(b) == 32
         first = next((i for i, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), None)
         if first is not None:
-            assert _top2_margin(dense, prompt + b[:first]) < tol, (first, a, b)
+            assert top2_margin(dense, prompt + b[:first]) < tol, (first, a, b)

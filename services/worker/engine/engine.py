@@ -127,7 +127,12 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device)
+        loaded = load_model(
+            config.model,
+            dtype=config.torch_dtype,
+            device=config.device,
+            quantization=config.quantization,
+        )
         return cls(config, loaded)
 
     # ---- admission -------------------------------------------------------------------------

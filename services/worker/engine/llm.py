@@ -61,7 +61,12 @@ class LLM:
         self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None
     ) -> None:
         config = config or EngineConfig()
-        loaded = loaded or load_model(config.model, dtype=config.torch_dtype, device=config.device)
+        loaded = loaded or load_model(
+            config.model,
+            dtype=config.torch_dtype,
+            device=config.device,
+            quantization=config.quantization,
+        )
         self.engine = LLMEngine(config, loaded)
         self.tokenizer = loaded.tokenizer
         self._ids = itertools.count()

@@ -31,6 +31,7 @@ from llmfleet.services.worker.attention.selector import select_backend
 from llmfleet.services.worker.models.architectures import model_class
 from llmfleet.services.worker.models.base import CausalLM
 from llmfleet.services.worker.models.decoder import DecoderForCausalLM
+from llmfleet.services.worker.models.fp8_linear import check_quantization, use_fp8_linears
 from llmfleet.services.worker.models.gguf_file import GGUFFile, hf_tensor_name
 from llmfleet.services.worker.models.int4_linear import use_int4_linears
 from llmfleet.services.worker.models.rotary import RotaryEmbedding
@@ -232,12 +233,16 @@ def load_model(
     backend: AttentionBackend | None = None,
     progress: bool = True,
     int4_weights: bool | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer. `path` None loads the bundled SmolLM2-135M-Instruct.
 
     `int4_weights`: keep GGUF Q4_0/Q4_1 linear weights packed (Int4Linear) instead of
-    dequantizing them; None means `keeps_int4(device, dtype)`."""
+    dequantizing them; None means `keeps_int4(device, dtype)`.
+    `quantization` "fp8": after loading, the decoder projections are quantized to FP8
+    (fp8_linear.py); needs CUDA sm_89+ and a 16-bit `dtype` (ValidationError otherwise)."""
     start = time.perf_counter()
+    check_quantization(quantization, device, dtype)  # before reading anything
     resolved = resolve_model_path(path)
     gf: GGUFFile | None = None
     if resolved.is_dir():
@@ -286,6 +291,8 @@ def load_model(
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
         weights = gf.tensors(config, packed=frozenset(hf_names), packed_dtype=dtype)
     model.load_weights(_stream_with_progress(weights, total, progress))
+    if quantization == "fp8":
+        use_fp8_linears(model)
 
     eos_ids += _as_ids(tokenizer.eos_token_id)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
