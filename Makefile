@@ -65,6 +65,7 @@ bench-gpu:
 	python3 -m llmfleet.kernels.bench_attention
 	python3 -m llmfleet.kernels.bench_matmul_moe
 	python3 benchmarks/gpu_decode_bench.py
+	python3 benchmarks/e2e_llama3_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -21,11 +21,9 @@ import time
 import torch
 from transformers import LlamaConfig, Qwen3MoeConfig
 
-from llmfleet.services.worker.attention.selector import select_backend
 from llmfleet.services.worker.engine.engine import LLMEngine
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.layers import RMSNorm
-from llmfleet.services.worker.models.loader import LoadedModel, ModelInfo, build_model
+from llmfleet.services.worker.models.loader import random_model
 from llmfleet.shared.config import EngineConfig
 
 MODELS = {
@@ -56,31 +54,6 @@ MODELS = {
         max_position_embeddings=2048,
     ),
 }
-
-
-def random_model(name: str, config) -> LoadedModel:
-    torch.manual_seed(0)
-    model = build_model(config, dtype=torch.bfloat16, device="cuda", backend=select_backend("cuda"))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-        for m in model.modules():
-            if isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-    info = ModelInfo(
-        model_id=name,
-        architecture=type(model).__name__,
-        vocab_size=config.vocab_size,
-        max_model_len=config.max_position_embeddings,
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        hidden_size=config.hidden_size,
-        eos_token_ids=(),
-        bos_token_id=None,
-        dtype=torch.bfloat16,
-    )
-    return LoadedModel(model=model, info=info, tokenizer=None)
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int) -> tuple[float, list[list[int]]]:
@@ -118,7 +91,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'model':20s} {'batch':>5s} {'eager ms':>9s} {'graphs ms':>9s} {'speedup':>7s} agree")
     for name, config in MODELS.items():
-        loaded = random_model(name, config)
+        loaded = random_model(config, dtype=torch.bfloat16, device="cuda", model_id=name)
         start = time.perf_counter()
         graphed = LLMEngine(EngineConfig(**cfg), loaded)
         capture_s = time.perf_counter() - start

@@ -34,6 +34,7 @@ from llmfleet.services.worker.models.decoder import DecoderForCausalLM
 from llmfleet.services.worker.models.fp8_linear import check_quantization, use_fp8_linears
 from llmfleet.services.worker.models.gguf_file import GGUFFile, hf_tensor_name
 from llmfleet.services.worker.models.int4_linear import use_int4_linears
+from llmfleet.services.worker.models.layers import RMSNorm
 from llmfleet.services.worker.models.rotary import RotaryEmbedding
 from llmfleet.shared.errors import ModelLoadError
 
@@ -64,7 +65,7 @@ class ModelInfo:
 class LoadedModel:
     model: CausalLM
     info: ModelInfo
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None: a token-ids-only model (random_model)
 
 
 def resolve_model_path(path: str | None) -> Path:
@@ -212,6 +213,43 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             module.rebuild(device)
     return model.eval()
+
+
+def random_model(
+    config: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    model_id: str = "random",
+    std: float = 0.02,
+) -> LoadedModel:
+    """A model of `config` with random weights made directly on `device`: no checkpoint and no
+    tokenizer (token ids only; the engine needs none). Weights are N(0, `std`) and RMSNorm
+    scales 1, drawn from a generator seeded with `seed`, so a seed gives the same weights on
+    every call on the same device. For benchmarks and tests of real shapes."""
+    model = build_model(config, dtype=dtype, device=device, backend=select_backend(device))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std, generator=gen)
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+    info = ModelInfo(
+        model_id=model_id,
+        architecture=type(model).__name__,
+        vocab_size=int(config.vocab_size),
+        max_model_len=int(config.max_position_embeddings),
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        hidden_size=int(config.hidden_size),
+        eos_token_ids=(),
+        bos_token_id=None,
+        dtype=dtype,
+    )
+    return LoadedModel(model=model, info=info, tokenizer=None)
 
 
 def _stream_with_progress(
