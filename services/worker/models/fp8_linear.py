@@ -21,6 +21,7 @@ import logging
 import torch
 from torch import nn
 
+from llmfleet.services.worker.models.layers import rowwise_linear
 from llmfleet.shared.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -90,14 +91,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
 
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        out = dispatch.fp8_linear(x2, self.weight, self.weight_scale, self.out_dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
+        def matmul(x2: torch.Tensor) -> torch.Tensor:
+            return dispatch.fp8_linear(x2, self.weight, self.weight_scale, self.out_dtype)
+
+        return rowwise_linear(x, self.out_features, self.bias, matmul)
 
     def extra_repr(self) -> str:
         return (

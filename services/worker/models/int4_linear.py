@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from llmfleet.kernels.int4_pack import int4_matmul_ref
+from llmfleet.services.worker.models.layers import rowwise_linear
 
 logger = logging.getLogger(__name__)
 
@@ -118,20 +119,17 @@ class Int4Linear(nn.Module):
         self.num_rows_loaded += rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        if x2.is_cuda:  # the Triton kernel; Triton is only needed (and imported) on GPUs
+        if x.is_cuda:  # the Triton kernel; Triton is only needed (and imported) on GPUs
             from llmfleet.kernels import dispatch
 
             fn = dispatch.int4_matmul
         else:
             fn = int4_matmul_ref
-        out = fn(x2, self.qweight, self.scales, self.zeros, self.group_size)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
+
+        def matmul(x2: torch.Tensor) -> torch.Tensor:
+            return fn(x2, self.qweight, self.scales, self.zeros, self.group_size)
+
+        return rowwise_linear(x, self.out_features, self.bias, matmul)
 
     def extra_repr(self) -> str:
         return (

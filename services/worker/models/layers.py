@@ -7,6 +7,8 @@ of the fused weight by `load_shard`. Activations are flattened token-major: (T, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,6 +65,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return dispatch.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rowwise_linear(
+    x: torch.Tensor,  # (..., in_features)
+    out_features: int,
+    bias: torch.Tensor | None,
+    matmul: Callable[[torch.Tensor], torch.Tensor],  # (rows, in) unit-stride -> (rows, out)
+) -> torch.Tensor:  # (..., out_features)
+    """A quantized linear layer's forward around its `matmul`: flatten the leading dims, make
+    the last one unit-stride (what the kernels require), add the bias, restore the shape."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = matmul(x2)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], out_features)
 
 
 def load_shard(param: torch.Tensor, weight: torch.Tensor, offset: int = 0) -> None:
