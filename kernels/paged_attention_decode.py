@@ -20,6 +20,13 @@ GROUP = num_heads // num_kv_heads query heads that share that KV head (the group
 m is the running max of the scaled scores (base 2), l the running sum of exp2(s - m), acc the
 unnormalised sum of exp2(s - m) * v. With a single partition the first kernel normalises and
 writes the output directly and the reduction is not launched.
+
+Partition size. The grid has `num_parts` partitions per sequence, fixed on the host from the
+bound `max_seq_len` (inside a CUDA graph that is the static `max_model_len`). Each sequence
+spreads its own length over them: P = max(min_partition, seq_len / num_parts rounded up to
+BLOCK_N), so a short context in a grid sized for a long one still runs on several programs of
+one tile each rather than on one program looping over its whole length. A fixed
+`DecodeConfig.partition_size` sets min_partition = P with num_parts = cdiv(max_seq_len, P).
 """
 
 from __future__ import annotations
@@ -42,6 +49,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _partition_size(seq_len, min_partition, num_parts, BLOCK_N: tl.constexpr):
+    """Tokens per partition of a sequence of `seq_len` (see the module docstring)."""
+    even = tl.cdiv(tl.cdiv(seq_len, num_parts), BLOCK_N) * BLOCK_N
+    return tl.maximum(even, min_partition)
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr,  # (num_seqs, num_heads, HEAD_DIM), unit stride in HEAD_DIM
     kv_ptr,  # (2, num_blocks, CACHE_BLOCK, num_kv_heads, HEAD_DIM), unit stride in HEAD_DIM
@@ -51,7 +65,7 @@ def _decode_partial_kernel(
     part_acc_ptr,  # fp32 (num_seqs, num_heads, num_parts, HEAD_DIM) contiguous
     part_ml_ptr,  # fp32 (2, num_seqs, num_heads, num_parts) contiguous: [0] = m, [1] = l
     qk_scale,  # softmax scale * log2(e): scores live in base 2
-    partition_size,  # tokens per partition, a multiple of BLOCK_N
+    min_partition,  # fewest tokens per partition, a multiple of BLOCK_N
     num_parts,  # partitions per sequence (grid dim 2)
     stride_ml,  # elements between the m and l halves of part_ml
     stride_q_seq,  # elements between sequences of q
@@ -75,6 +89,7 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
     start = part * partition_size
     if start >= seq_len:
         return  # nothing to read; the reduction ignores partitions past the end
@@ -129,18 +144,20 @@ def _decode_reduce_kernel(
     out_ptr,  # (num_seqs, num_heads, HEAD_DIM)
     part_acc_ptr,  # fp32 (num_seqs, num_heads, num_parts, HEAD_DIM) contiguous
     part_ml_ptr,  # fp32 (2, num_seqs, num_heads, num_parts) contiguous
-    partition_size,
+    min_partition,
     num_parts,
     stride_ml,  # elements between the m and l halves of part_ml
     stride_o_seq,  # elements between sequences of out
     stride_o_head,  # elements between heads of out
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the first kernel's tile (partition sizes are multiples of it)
     BLOCK_P: tl.constexpr,  # next power of two >= num_parts
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
     used = tl.cdiv(seq_len, partition_size)  # partitions the first kernel wrote
     p = tl.arange(0, BLOCK_P)
     pmask = p < used
@@ -171,6 +188,9 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     partition_size: int | None = None
+    # Auto mode's fewest tokens per partition: below it the partial results' round trip
+    # (fp32 acc, m, l per query head) stops paying for the extra parallelism.
+    min_partition: int = 128
 
 
 def default_decode_config() -> DecodeConfig:
@@ -185,18 +205,21 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-def choose_partition_size(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
-) -> int:
-    """Split contexts only as far as needed for ~4 programs per SM, never below 256 tokens
-    (a partition must amortise its q load and the partial-result round trip)."""
-    min_part = max(256, block_n)
+def choose_partitions(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    block_n: int,
+    num_sms: int,
+    min_partition: int = 128,
+) -> tuple[int, int]:
+    """(num_parts, min_partition rounded up to block_n): split contexts only as far as needed
+    for ~4 programs per SM, into partitions of at least `min_partition` tokens."""
+    min_part = math.ceil(max(min_partition, block_n) / block_n) * block_n
     base_programs = max(num_seqs * num_kv_heads, 1)
     want_parts = max(1, math.ceil(4 * num_sms / base_programs))
     max_parts = max(1, math.ceil(max_seq_len / min_part))
-    parts = min(want_parts, max_parts)
-    size = math.ceil(max(max_seq_len, 1) / parts)
-    return math.ceil(size / block_n) * block_n
+    return min(want_parts, max_parts), min_part
 
 
 def _check(
@@ -244,12 +267,23 @@ def paged_attention_decode(
     if num_seqs == 0 or max_seq_len <= 0:
         return out
     cfg = config or default_decode_config()
-    part_size = cfg.partition_size or choose_partition_size(
-        num_seqs, num_kv_heads, max_seq_len, cfg.block_n, _num_sms(q.device)
-    )
-    if part_size % cfg.block_n:
-        raise ValueError(f"partition_size {part_size} must be a multiple of {cfg.block_n}")
-    num_parts = triton.cdiv(max_seq_len, part_size)
+    if cfg.partition_size is None:
+        num_parts, min_part = choose_partitions(
+            num_seqs,
+            num_kv_heads,
+            max_seq_len,
+            cfg.block_n,
+            _num_sms(q.device),
+            cfg.min_partition,
+        )
+    else:
+        if cfg.partition_size <= 0 or cfg.partition_size % cfg.block_n:
+            raise ValueError(
+                f"partition_size {cfg.partition_size} must be a positive multiple of "
+                f"{cfg.block_n}"
+            )
+        min_part = cfg.partition_size
+        num_parts = triton.cdiv(max_seq_len, min_part)
     single = num_parts == 1
     group = num_heads // num_kv_heads
     if single:
@@ -270,7 +304,7 @@ def paged_attention_decode(
         part_acc,
         part_ml,
         scale * LOG2E,
-        part_size,
+        min_part,
         num_parts,
         num_seqs * num_heads * num_parts,
         q.stride(0),
@@ -298,13 +332,14 @@ def paged_attention_decode(
             out,
             part_acc,
             part_ml,
-            part_size,
+            min_part,
             num_parts,
             num_seqs * num_heads * num_parts,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
+            BLOCK_N=cfg.block_n,
             BLOCK_P=triton.next_power_of_2(num_parts),
             num_warps=4,
         )

@@ -101,6 +101,36 @@ def test_decode_matches_ref(group: int, partition_size: int | None) -> None:
     assert rel_err(out, paged_attention_decode_ref(*args)) < FP32_TOL
 
 
+@pytest.mark.parametrize("num_sms,bound", [(4, 80), (4, 512), (64, 512)])
+def test_decode_spreads_each_sequence_over_a_grid_sized_for_a_bound(
+    monkeypatch: pytest.MonkeyPatch, num_sms: int, bound: int
+) -> None:
+    """As in a CUDA graph: the grid is sized for `bound` (>= every length), and each sequence
+    spreads its own length over the partitions (2 of 48 + 32 tokens for length 80 when only
+    2 are wanted; one 16-token tile each when many are)."""
+    import llmfleet.kernels.paged_attention_decode as decode
+
+    monkeypatch.setattr(decode, "_num_sms", lambda device: num_sms)
+    lens = [1, 15, 16, 17, 47, 80]
+    batch = PagedBatch(lens, 2, 64, 16, torch.float32, DEVICE, seed=num_sms + bound)
+    q = torch.randn(len(lens), 4, 64, device=DEVICE)
+    cfg = DecodeConfig(block_n=16, num_warps=1, num_stages=1, min_partition=16)
+    args = (q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125)
+    out = paged_attention_decode(*args, bound, out=torch.full_like(q, float("nan")), config=cfg)
+    assert rel_err(out, paged_attention_decode_ref(*args, batch.max_seq_len)) < FP32_TOL
+
+
+def test_choose_partitions() -> None:
+    from llmfleet.kernels.paged_attention_decode import choose_partitions
+
+    # batch 1, 8 KV heads, 132 SMs: 66 wanted, capped by 2048 / 128 = 16 of >= 128 tokens
+    assert choose_partitions(1, 8, 2048, 64, 132) == (16, 128)
+    assert choose_partitions(1, 8, 2048, 64, 132, min_partition=64) == (32, 64)
+    assert choose_partitions(64, 8, 4096, 64, 132) == (2, 128)  # enough programs already
+    assert choose_partitions(1, 8, 100, 64, 132) == (1, 128)
+    assert choose_partitions(2, 2, 1000, 48, 4, min_partition=100) == (4, 144)
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_decode_other_block_sizes_fp16(block_size: int) -> None:
     lens = [9, 33, 70]

@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
@@ -131,21 +132,20 @@ class DecodeBuffers:
             raise ValueError(f"{n} sequences do not fit batch size {batch_size}")
         if not (len(positions) == len(block_tables) == n):
             raise ValueError("token_ids, positions and block_tables need one entry per sequence")
-        slots = []
-        for p, t in zip(positions, block_tables, strict=True):
-            if len(t) > self.max_blocks_per_seq or p >= len(t) * bs or p < 0:
-                raise ValueError(f"position {p} does not fit a block table of {len(t)} blocks")
-            slots.append(t[p // bs] * bs + p % bs)
         i64, seq, tables = self._i64_np, self._seq_np, self._tables_np
+        w = self.max_blocks_per_seq
+        for i, (p, t) in enumerate(zip(positions, block_tables, strict=True)):
+            if len(t) > w or p >= len(t) * bs or p < 0:
+                raise ValueError(f"position {p} does not fit a block table of {len(t)} blocks")
+            tables[i, : len(t)] = t
         i64[0, :n] = token_ids
         i64[1, :n] = positions
-        i64[2, :n] = slots
+        pos = i64[1, :n]
+        i64[2, :n] = tables[np.arange(n), pos // bs] * bs + pos % bs  # slots
         i64[:2, n:batch_size] = 0
         i64[2, n:batch_size] = -1
-        seq[:n] = i64[1, :n] + 1
+        seq[:n] = pos + 1
         seq[n:batch_size] = 1
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
         tables[n:batch_size, 0] = 0
 
     def copy_from(self, host: DecodeBuffers, batch_size: int) -> None:

@@ -292,24 +292,9 @@ class LLMEngine:
         self.last_step_cost = estimate_step_cost(self.model_shape, StepBatch.of(sched))
         if not sched:
             return outputs
-        step = self.runner.execute(sched)
-        sampled = None
-        if step.sampling_rows:
-            rows = []
-            for j in step.sampling_rows:
-                req = sched.scheduled[j].request
-                rows.append(
-                    SamplingRow(
-                        params=req.params,
-                        generator=req.generator,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=req.output_token_ids,
-                        stop_token_ids=req.stop_token_ids,
-                    )
-                )
-            sampled = self.sampler(step.logits, rows)
-        row_of = {j: r for r, j in enumerate(step.sampling_rows)}
-        for j, s in enumerate(sched.scheduled):
+        step = self.runner.execute(sched)  # on a GPU: queued, still running
+        # Bookkeeping that needs no sampled token runs while the device computes.
+        for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(req)
@@ -317,9 +302,23 @@ class LLMEngine:
                 if req.num_computed_tokens >= req.num_prompt_tokens:
                     for sib in self._deferred.pop(req.request_id):
                         self.scheduler.add(sib)
-            if j not in row_of or sampled is None:
-                continue
-            r = row_of[j]
+        if not step.sampling_rows:
+            return outputs
+        rows = []
+        for j in step.sampling_rows:
+            req = sched.scheduled[j].request
+            rows.append(
+                SamplingRow(
+                    params=req.params,
+                    generator=req.generator,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                    stop_token_ids=req.stop_token_ids,
+                )
+            )
+        sampled = self.sampler(step.logits, rows)  # waits for the device
+        for r, j in enumerate(step.sampling_rows):
+            req = sched.scheduled[j].request
             token = sampled.token_ids[r]
             req.append_output(token, sampled.logprobs[r])
             status = self._check_finished(req, token)

@@ -36,7 +36,11 @@ from llmfleet.services.worker.models.int4_linear import (
 )
 from llmfleet.services.worker.models.layers import MLP, Attention, RMSNorm, load_shard
 from llmfleet.services.worker.models.moe import SparseMoE
-from llmfleet.services.worker.models.rotary import RotaryEmbedding, rope_parameters
+from llmfleet.services.worker.models.rotary import (
+    RotaryEmbedding,
+    RotaryPositions,
+    rope_parameters,
+)
 from llmfleet.shared.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -66,8 +70,7 @@ class DecoderLayer(nn.Module):
         self,
         h: torch.Tensor,  # (T, hidden)
         residual: torch.Tensor | None,  # (T, hidden) or None before the first layer
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryPositions,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +78,7 @@ class DecoderLayer(nn.Module):
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -133,10 +136,10 @@ class DecoderForCausalLM(CausalLM):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary_emb.cos_sin_for(positions)  # (T, 1, R/2) each
+        rope = self.rotary_emb.at(positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
         h, _ = self.norm(h, residual)
         return h
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from llmfleet.services.worker.attention.backend import AttentionBackend
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
-from llmfleet.services.worker.models.rotary import apply_rotary
+from llmfleet.services.worker.models.rotary import RotaryPositions
 
 
 class RMSNorm(nn.Module):
@@ -150,8 +150,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (T, hidden)
-        cos: torch.Tensor,  # (T, 1, R/2)
-        sin: torch.Tensor,  # (T, 1, R/2)
+        rope: RotaryPositions,
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, hidden)
@@ -162,6 +161,6 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        q, k = apply_rotary(qk, cos, sin).split([h, hkv], dim=1)
+        q, k = rope.rotate(qk, h)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -93,13 +93,48 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table (float32) on `device`."""
         self.cos_sin = self._table(torch.device(device))
 
-    def cos_sin_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T,) int64 positions -> cos, sin, each (T, 1, rotary_dim/2) float32."""
+    def at(self, positions: torch.Tensor) -> RotaryPositions:
+        """The rotary inputs of one forward pass over tokens at `positions` (T,) int64."""
         if self.cos_sin.device != positions.device:
             self.rebuild(positions.device)
-        cs = self.cos_sin.index_select(0, positions)  # (T, rotary_dim)
-        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return RotaryPositions(positions, self.cos_sin)
+
+
+class RotaryPositions:
+    """Positions of one forward pass and the [cos | sin] table; `rotate` applies them.
+
+    On CUDA the Triton kernel rotates q and k in place, straight from the table (one launch
+    per layer, computed in float32). Elsewhere the reference gathers cos/sin once per pass
+    and rotates out of place in the activations' dtype, as transformers does.
+    """
+
+    def __init__(self, positions: torch.Tensor, table: torch.Tensor) -> None:
+        self.positions = positions  # (T,) int64
+        self.table = table  # (max_position, rotary_dim) float32
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at the positions, each (T, 1, rotary_dim/2) float32 (gathered once)."""
+        if self._cos_sin is None:
+            cs = self.table.index_select(0, self.positions)  # (T, rotary_dim)
+            cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+            self._cos_sin = (cos, sin)
+        return self._cos_sin
+
+    def rotate(
+        self, qk: torch.Tensor, num_q_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (T, H + Hkv, D) -> q (T, H, D), k (T, Hkv, D)
+        """Rotate q and k, laid out as one tensor of heads [q | k]; in place on CUDA."""
+        num_kv_heads = qk.shape[1] - num_q_heads
+        if qk.is_cuda and qk.stride(-1) == 1:
+            from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+            q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
+            dispatch.rotary_embedding(self.positions, q, k, self.table)
+            return q, k
+        cos, sin = self.cos_sin()
+        q, k = apply_rotary(qk, cos, sin).split([num_q_heads, num_kv_heads], dim=1)
+        return q, k
 
 
 def apply_rotary(
