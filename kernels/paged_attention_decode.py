@@ -279,8 +279,7 @@ def paged_attention_decode(
     else:
         if cfg.partition_size <= 0 or cfg.partition_size % cfg.block_n:
             raise ValueError(
-                f"partition_size {cfg.partition_size} must be a positive multiple of "
-                f"{cfg.block_n}"
+                f"partition_size {cfg.partition_size} must be a positive multiple of {cfg.block_n}"
             )
         min_part = cfg.partition_size
         num_parts = triton.cdiv(max_seq_len, min_part)
