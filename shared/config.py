@@ -146,6 +146,12 @@ class WorkerConfig:
     scheduler_address: str | None = None  # Registry to register with (None: standalone)
     kvstore_address: str | None = None  # KVStore gRPC address (None: no shared KV store)
     kvstore_endpoint: str | None = None  # KVStore ZMQ data endpoint (tcp://host:port)
+    # KVStore's KV-event PUB endpoint: with it the worker keeps a view of what the kvstore
+    # holds and skips the lookup RPC (a TTFT hop) for prompts it holds nothing of.
+    kvstore_events_endpoint: str | None = None
+    # Puts of a computed prompt's blocks start this long after its first token, off that
+    # token's way to the client (they are background work; a request never waits for them).
+    kvstore_put_delay_ms: int = 20
     lease_ttl_ms: int = 30000  # default lifetime of a KV lease this worker grants
     kv_push_timeout_ms: int = 10000  # prefill: wait this long for a decode worker's ack
 
@@ -156,6 +162,12 @@ class WorkerConfig:
             raise ValidationError(
                 "kvstore_endpoint", "kvstore_address and kvstore_endpoint go together"
             )
+        if self.kvstore_events_endpoint is not None and self.kvstore_address is None:
+            raise ValidationError(
+                "kvstore_events_endpoint", "needs kvstore_address and kvstore_endpoint"
+            )
+        if self.kvstore_put_delay_ms < 0:
+            raise ValidationError("kvstore_put_delay_ms", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from llmfleet.shared.errors import LLMFleetError, ValidationError
+from llmfleet.shared.kv_index import KVSnapshot
 from llmfleet.shared.service import Unavailable
 from llmfleet.shared.tracing import child_span, metadata, traceparent
 from llmfleet.shared.transport import Frame, MalformedFrame, decode, encode
-from llmfleet.v1 import dataplane_pb2, kvstore_pb2, kvstore_pb2_grpc
+from llmfleet.v1 import dataplane_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -135,6 +136,11 @@ class KVStoreClient:
 
     async def stats(self, *, timeout_s: float | None = None) -> kvstore_pb2.GetStoreStatsResponse:
         return await self._rpc("GetStoreStats", kvstore_pb2.GetStoreStatsRequest(), timeout_s)
+
+    async def snapshot(self, *, timeout_s: float | None = None) -> KVSnapshot:
+        """Every block hash the store holds (any layout) and the event seq it reflects."""
+        resp = await self._rpc("GetKVSnapshot", worker_pb2.GetKVSnapshotRequest(), timeout_s)
+        return KVSnapshot(resp.publisher_id, resp.seq, tuple(resp.block_hashes))
 
     async def close(self) -> None:
         """Fail calls in flight with Unavailable and release the socket and channel."""

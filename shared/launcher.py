@@ -275,6 +275,8 @@ class Fleet:
                 f"{h}:{kv_port}",
                 "--kvstore-endpoint",
                 f"tcp://{h}:{data_port}",
+                "--kvstore-events",
+                f"tcp://{h}:{events_port}",
             ]
         tokenizer_port = next(ports)
         tok_args = ["--model", spec.model] if spec.model is not None else []

@@ -2,7 +2,8 @@
 
 Protocol (tokenizer.proto): a `start` message (no answer), then one `tokens` message per engine
 step, each answered by exactly one response with the text safe to emit and, once matched, the
-stop string. The start is written when the stream opens, so its cost overlaps the prefill.
+stop string. `open` only starts writing the start message: the request goes on to its worker
+meanwhile (the write is off the TTFT path), and the first `feed` waits for it.
 
 Each stream is one `detokenize` span (child of the request's `llm_request`), from the stream's
 creation to `close`, with the number of tokens fed and whether a stop string matched.
@@ -10,6 +11,7 @@ creation to `close`, with the number of tokens fed and whether a stop string mat
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -36,18 +38,25 @@ class DetokStream:
         self.closed = False
         self.num_tokens = 0
         self.stopped = False
+        self._opening: asyncio.Task[None] | None = None
 
-    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Start writing the start message (in the background; `feed` waits for it)."""
         start = tokenizer_pb2.DetokenizeStart(
             prompt_token_ids=prompt_ids,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             keep_special_tokens=not params.skip_special_tokens,
         )
-        await self._write(tokenizer_pb2.DetokenizeRequest(start=start))
+        task = asyncio.ensure_future(self._write(tokenizer_pb2.DetokenizeRequest(start=start)))
+        task.add_done_callback(_consume)  # a failure surfaces at the first feed
+        self._opening = task
 
     async def feed(self, token_ids: Sequence[int], finished: bool) -> tuple[str, str]:
         """Text to emit for these new tokens, and the stop string if one matched."""
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            await opening
         msg = tokenizer_pb2.DetokenizeRequest(
             tokens=tokenizer_pb2.DetokenizeTokens(token_ids=token_ids, finished=finished)
         )
@@ -66,6 +75,8 @@ class DetokStream:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self._opening is not None:
+                self._opening.cancel()
             self._call.cancel()
             span = self._span
             if span.is_recording():
@@ -78,3 +89,9 @@ class DetokStream:
             await self._call.write(msg)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise Unavailable(f"tokenizer: detokenize failed: {exc}") from None
+
+
+def _consume(task: asyncio.Task[None]) -> None:
+    """Mark a finished open's exception as seen (the next `feed` re-raises it)."""
+    if not task.cancelled():
+        task.exception()

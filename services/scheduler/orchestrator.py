@@ -32,8 +32,6 @@ from opentelemetry.context import Context
 from llmfleet.services.scheduler import metrics, spans
 from llmfleet.services.scheduler.detok import DetokStream
 from llmfleet.services.scheduler.handoff import LeaseHandoff
-from llmfleet.services.scheduler.kv_index import KVSnapshot
-from llmfleet.services.scheduler.kv_subscriber import KVSubscriber
 from llmfleet.services.scheduler.placement import CONTROL_TIMEOUT_S, Placement
 from llmfleet.services.scheduler.prompt import check_sampling, check_shape, prompt_token_ids
 from llmfleet.services.scheduler.registry import (
@@ -51,6 +49,8 @@ from llmfleet.shared.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.config import SchedulerConfig
 from llmfleet.shared.convert import FINISH_FROM_PB
 from llmfleet.shared.errors import CapacityError, LLMFleetError, ValidationError
+from llmfleet.shared.kv_index import KVSnapshot
+from llmfleet.shared.kv_subscriber import KVSubscriber
 from llmfleet.shared.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.service import Unavailable
 from llmfleet.shared.tracing import metadata
@@ -222,7 +222,8 @@ class Scheduler:
                 run.trace = trace_ctx
                 run.aborted = self._pending.pop(request_id)
                 self.runs[request_id] = run
-                await asyncio.gather(*(c.detok.open(prompt_ids, params) for c in completions))
+                for c in completions:
+                    c.detok.open(prompt_ids, params)
                 if run.aborted:
                     run.events.put_nowait(Aborted())
                 else:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from llmfleet.services.scheduler import metrics, spans
-from llmfleet.services.scheduler.kv_subscriber import KVSubscriber
 from llmfleet.services.scheduler.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.scheduler.replies import ReplyReceiver
 from llmfleet.services.scheduler.request import Completion, Leg, RequestRun
@@ -32,6 +31,7 @@ from llmfleet.shared.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.config import SchedulerConfig
 from llmfleet.shared.convert import sampling_to_pb
 from llmfleet.shared.errors import CapacityError, ValidationError
+from llmfleet.shared.kv_subscriber import KVSubscriber
 from llmfleet.shared.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.service import Unavailable
 from llmfleet.shared.tracing import metadata

@@ -21,7 +21,8 @@ from llmfleet.shared.errors import LLMFleetError, ValidationError
 
 _WORKER_FLAGS = (
     "host", "port", "metrics_port", "role", "worker_id", "scheduler_address",
-    "kvstore_address", "kvstore_endpoint", "lease_ttl_ms", "kv_push_timeout_ms",
+    "kvstore_address", "kvstore_endpoint", "kvstore_events_endpoint", "kvstore_put_delay_ms",
+    "lease_ttl_ms", "kv_push_timeout_ms",
 )  # fmt: skip
 _ENGINE_FLAGS = (
     "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
@@ -42,6 +43,16 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
     p.add_argument("--scheduler", dest="scheduler_address", help="Registry HOST:PORT")
     p.add_argument("--kvstore", dest="kvstore_address", help="kvstore gRPC HOST:PORT")
     p.add_argument("--kvstore-endpoint", help="kvstore ZMQ data endpoint tcp://HOST:PORT")
+    p.add_argument(
+        "--kvstore-events",
+        dest="kvstore_events_endpoint",
+        help="kvstore KV-event endpoint tcp://HOST:PORT (skips lookups it has nothing for)",
+    )
+    p.add_argument(
+        "--kvstore-put-delay-ms",
+        type=int,
+        help="start prompt-block puts this long after the first token (default 20)",
+    )
     p.add_argument("--lease-ttl-ms", type=int, help="default lifetime of KV leases granted here")
     p.add_argument("--kv-push-timeout-ms", type=int, help="prefill: wait this long for acks")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain period on SIGTERM")

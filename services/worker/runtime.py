@@ -182,7 +182,16 @@ class WorkerRuntime:
             self.decode.start()
         if self.wc.kvstore_address and self.wc.kvstore_endpoint:
             client = KVStoreClient(self.wc.kvstore_address, self.wc.kvstore_endpoint, ctx=self._ctx)
-            self.kvstore = KVStoreSync(client, engine, self.loop, self.kv_layout_key)
+            self.kvstore = KVStoreSync(
+                client,
+                engine,
+                self.loop,
+                self.kv_layout_key,
+                ctx=self._ctx,
+                events_endpoint=self.wc.kvstore_events_endpoint,
+                put_delay_s=self.wc.kvstore_put_delay_ms / 1000,
+            )
+            await self.kvstore.start()
         if self.wc.scheduler_address:
             self.registrar = Registrar(
                 self.wc.scheduler_address, self._register_request, self._load_report
@@ -329,24 +338,13 @@ class WorkerRuntime:
     ) -> int:
         """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached."""
         engine, loop = self._engine_loop()
-        valid = loop.submit(engine.validate_request, request_id, prompt, params)
         hashes = hash_block_chain(
             prompt, self.ec.block_size, HashContext(engine.info.model_id, cache_salt)
         )
         kvstore = self.kvstore
-        # The kvstore fetch starts while the request is validated (both are on the TTFT path);
-        # an invalid request cancels it.
-        fetch = asyncio.create_task(kvstore.fetch_prefix(hashes)) if kvstore else None
-        try:
-            await valid
-        except BaseException:
-            if fetch is not None:
-                fetch.cancel()
-            raise
-        num_remote = await fetch if fetch is not None else None
         rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
 
-        def admit() -> int:
+        def admit(num_remote: int | None) -> int:
             num_cached = engine.num_cached_prefix_blocks(hashes)
             engine.add_request(
                 request_id, prompt, params, cache_salt=cache_salt, prefill_only=prefill_only
@@ -360,7 +358,29 @@ class WorkerRuntime:
             )
             return num_cached
 
-        num_cached_blocks = await loop.call(admit)
+        if kvstore is None or kvstore.held_prefix(hashes) == 0:
+            # Nothing to fetch (no kvstore, or its view holds none of the chain): validation
+            # and admission are one engine op, one hop on the TTFT path.
+            num_remote = None if kvstore is None else 0
+            if kvstore is not None:
+                kvstore.skip_lookup()
+
+            def validate_and_admit() -> int:
+                engine.validate_request(request_id, prompt, params)
+                return admit(num_remote)
+
+            num_cached_blocks = await loop.call(validate_and_admit)
+        else:
+            valid = loop.submit(engine.validate_request, request_id, prompt, params)
+            # The kvstore fetch starts while the request is validated (both are on the TTFT
+            # path); an invalid request cancels it.
+            fetch = asyncio.create_task(kvstore.fetch_prefix(hashes))
+            try:
+                await valid
+            except BaseException:
+                fetch.cancel()
+                raise
+            num_cached_blocks = await loop.call(admit, await fetch)
         PROMPT_TOKENS.labels(self.model_name).inc(len(prompt))
         tokens = num_cached_blocks * self.ec.block_size
         return max(0, tokens - self.ec.block_size) if tokens >= len(prompt) else tokens

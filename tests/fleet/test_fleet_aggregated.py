@@ -85,8 +85,20 @@ def test_n2_greedy_equals_in_process_engine(model, client):
 def test_kv_reuse_across_workers_through_kvstore(client, fleet):
     [p] = prompts([100], seed=2)
     first = client.generate(token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True)
+    # Puts are background work (they start kvstore_put_delay_ms after the first token): wait
+    # until the six full blocks are stored and every worker's view of the kvstore has them.
+    deadline = time.monotonic() + 30
+    while True:
+        stats = [worker_stats(a) for a in fleet.worker_addresses]
+        stored = sum(s.kvstore_blocks_stored for s in stats)
+        if stored >= 6 and all(s.kvstore_view_blocks >= 6 for s in stats):
+            break
+        assert time.monotonic() < deadline, f"kvstore puts or views not in: {stats}"
+        time.sleep(0.05)
     second = client.generate(token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True)
     assert first.usage.cached_prompt_tokens == 0
+    # The first admission skipped the lookup: the views showed an empty kvstore.
+    assert sum(s.kvstore_lookups_skipped for s in stats) >= 1
     # Round robin sent the second request to the other worker: it fetched the prompt's
     # six full blocks (96 tokens) from the kvstore instead of computing them.
     assert second.usage.cached_prompt_tokens == 96

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmfleet.services.scheduler.kv_index import KVEvents, KVIndex, KVSnapshot
+from llmfleet.shared.kv_index import KVEvents, KVIndex, KVSnapshot
 
 H = [bytes([i]) * 32 for i in range(10)]
 

@@ -147,6 +147,65 @@ def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
     run(body())
 
 
+async def _until(cond, *servers, timeout_s: float = 20.0):
+    """Poll the servers' stats until `cond(stats)` holds for each; returns the last stats."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        got = [await stats(s) for s in servers]
+        if all(cond(st) for st in got):
+            return got
+        assert loop.time() < deadline, f"condition never held: {got}"
+        await asyncio.sleep(0.02)
+
+
+def test_view_of_the_kvstore_skips_lookups_and_puts_wait_their_delay(loaded):
+    """With the kvstore's event endpoint a worker skips the lookup RPC for a prompt the store
+    holds none of, yet still fetches what another worker put; puts start after their delay."""
+    ids = prompt(loaded, 21, seed=11)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        kv = await serve_kvstore(KVStoreConfig(ram_bytes=64 << 20))
+        kw = dict(
+            kvstore_address=kv.address,
+            kvstore_endpoint=kv.data_endpoint,
+            kvstore_events_endpoint=kv.events_endpoint,
+        )
+        a = await start_worker(loaded, kvstore_put_delay_ms=1500, **kw)
+        b = await start_worker(loaded, kvstore_put_delay_ms=0, **kw)
+        replies = Replies(ctx)
+        try:
+            # Both views resynced from a snapshot of the empty store.
+            await _until(lambda st: st.HasField("kvstore_view_blocks"), a, b)
+            ra = await stub(a).AddRequest(add_request_pb("x", ids, params, replies.endpoint))
+            assert ra.num_cached_tokens == 0
+            [ca] = await replies.until_finished("x")
+            st = await stats(a)
+            assert st.kvstore_lookups_skipped == 1  # the view held none of the chain
+            assert st.kvstore_blocks_stored == 0  # the put waits out its 1.5 s
+            # Then it lands, and the store's stored events reach b's view.
+            await _until(lambda st: st.kvstore_blocks_stored == 5, a)
+            await _until(lambda st: st.kvstore_view_blocks == 5, a, b)
+
+            rb = await stub(b).AddRequest(add_request_pb("y", ids, params, replies.endpoint))
+            assert rb.num_cached_tokens == 20
+            [cb] = await replies.until_finished("y")
+            assert cb.tokens == ca.tokens
+            st = await stats(b)
+            assert st.kvstore_lookups_skipped == 0  # the view held the chain: looked up
+            assert st.kvstore_blocks_fetched == 5
+        finally:
+            replies.close()
+            await a.stop()
+            await b.stop()
+            await kv.stop(0)
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
 def test_cli_serves_and_exits_zero_on_sigterm(make_checkpoint_module):
     ckpt = make_checkpoint_module("llama")
     cmd = [

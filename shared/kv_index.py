@@ -1,4 +1,5 @@
-"""Which block hashes each KV-event publisher holds: the prefix-aware router's view.
+"""Which block hashes each KV-event publisher holds: the prefix-aware router's view of the
+workers, and a worker's view of the kvstore.
 
 Pure Python. The subscriber converts each `KVEventBatch` into `KVEvents` and calls `apply`;
 snapshots (`GetKVSnapshot`) arrive as `KVSnapshot` through `apply_snapshot`.

@@ -1,5 +1,6 @@
-"""KV-event subscriptions: one ZMQ SUB socket per worker feeding the KV index, and snapshot
-resyncs over gRPC (`GetKVSnapshot`) whenever the index asks for one."""
+"""KV-event subscriptions: one ZMQ SUB socket per publisher feeding the KV index, and snapshot
+resyncs over gRPC (`GetKVSnapshot`) whenever the index asks for one. The scheduler subscribes
+to its workers; a worker subscribes to the kvstore."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from llmfleet.services.scheduler.kv_index import KVEvents, KVIndex, KVSnapshot
+from llmfleet.shared.kv_index import KVEvents, KVIndex, KVSnapshot
 from llmfleet.shared.transport import Frame, decode, recv_loop
 from llmfleet.v1 import dataplane_pb2
 
