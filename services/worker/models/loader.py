@@ -33,6 +33,12 @@ from llmfleet.services.worker.models.base import CausalLM
 from llmfleet.services.worker.models.decoder import DecoderForCausalLM
 from llmfleet.services.worker.models.fp8_linear import check_quantization, use_fp8_linears
 from llmfleet.services.worker.models.gguf_file import GGUFFile, hf_tensor_name
+from llmfleet.services.worker.models.int4_checkpoint import (
+    Int4CheckpointFormat,
+    checkpoint_format,
+    int4_tensors,
+    quantized_modules,
+)
 from llmfleet.services.worker.models.int4_linear import use_int4_linears
 from llmfleet.services.worker.models.layers import RMSNorm
 from llmfleet.services.worker.models.rotary import RotaryEmbedding
@@ -164,28 +170,67 @@ def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def int4_packed_weights(gf: GGUFFile, model: DecoderForCausalLM) -> tuple[set[str], set[str]]:
+def packed_linear_targets(
+    model: DecoderForCausalLM, hf_names: Iterable[str], quantized: set[str]
+) -> tuple[set[str], set[str]]:
     """The nn.Linear weights of `model` that can keep INT4 weights packed, and the HF names of
-    their checkpoint tensors. A weight qualifies when every tensor loaded into it is Q4_0/Q4_1
-    (a fused qkv or gate_up projection needs all of its shards so); embeddings, the output
-    head and stacked experts stay dense."""
-    q4 = gf.q4_weight_names()
+    their checkpoint tensors. A weight qualifies when every tensor loaded into it is in
+    `quantized` (a fused qkv or gate_up projection needs all of its shards so); embeddings,
+    the output head and stacked experts stay dense."""
     sources: dict[str, list[str]] = {}
-    for t in gf.reader.tensors:
-        hf = hf_tensor_name(t.name)
+    for hf in hf_names:
         target = model.weight_target(hf)
         if target is not None:
             name, expert, _ = target
             sources.setdefault(name if expert is None else f"{name}[{expert}]", []).append(hf)
     targets = {
         name
-        for name, hf_names in sources.items()
+        for name, names in sources.items()
         if name.endswith(".weight")
         and name != "lm_head.weight"
-        and all(h in q4 for h in hf_names)
+        and all(h in quantized for h in names)
         and isinstance(model.get_submodule(name.removesuffix(".weight")), nn.Linear)
     }
     return targets, {h for name in targets for h in sources[name]}
+
+
+def int4_packed_weights(gf: GGUFFile, model: DecoderForCausalLM) -> tuple[set[str], set[str]]:
+    """`packed_linear_targets` of a GGUF file: its Q4_0/Q4_1 tensors qualify."""
+    names = [hf_tensor_name(t.name) for t in gf.reader.tensors]
+    return packed_linear_targets(model, names, gf.q4_weight_names())
+
+
+def _int4_checkpoint_weights(
+    model: DecoderForCausalLM,
+    names: list[str],
+    weights: Iterable[tuple[str, Any]],
+    fmt: Int4CheckpointFormat,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    int4_weights: bool | None,
+) -> tuple[Iterator[tuple[str, Any]], int]:
+    """An AWQ/GPTQ checkpoint's tensors for `load_weights` (and their count): each quantized
+    module merged into one weight, packed into an Int4Linear where `keeps_int4` (or
+    `int4_weights`) and the format allow, else dequantized."""
+    modules = quantized_modules(names)
+    if not modules:
+        raise ModelLoadError(f"config says {fmt.method.upper()} but no tensor is a .qweight")
+    keep = keeps_int4(device, dtype) if int4_weights is None else int4_weights
+    packed: set[str] = set()
+    if keep and fmt.servable_packed:
+        merged = [f"{m}.weight" for m in modules]
+        targets, packed = packed_linear_targets(model, [*names, *merged], set(merged))
+        use_int4_linears(model, targets, fmt.layer_group_size, dtype)
+    elif keep:
+        logger.info(
+            "%s checkpoint (group size %d%s) is dequantized at load: no packed kernel form",
+            fmt.method.upper(),
+            fmt.group_size,
+            ", act order" if fmt.act_order else "",
+        )
+    total = len(names) - sum(len(parts) - 1 for parts in modules.values())
+    merged_weights = int4_tensors(weights, fmt, modules, packed=frozenset(packed), dtype=dtype)
+    return merged_weights, total
 
 
 def keeps_int4(device: str | torch.device, dtype: torch.dtype) -> bool:
@@ -283,17 +328,20 @@ def load_model(
     check_quantization(quantization, device, dtype)  # before reading anything
     resolved = resolve_model_path(path)
     gf: GGUFFile | None = None
+    int4_format: Int4CheckpointFormat | None = None
+    names: list[str] = []  # a checkpoint directory's tensor names
     if resolved.is_dir():
         if not (resolved / "config.json").is_file():
             raise ModelLoadError(f"{resolved} has no config.json")
         config = AutoConfig.from_pretrained(resolved)
         model_class(config)  # fail on an unsupported architecture before reading anything
+        int4_format = checkpoint_format(config)
         files = safetensors_files(resolved)
-        total = 0
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
-                total += len(list(handle.keys()))
-        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(files)
+                names += list(handle.keys())
+        total = len(names)
+        weights: Iterable[tuple[str, Any]] = iter_safetensors(files)
         try:
             tokenizer = AutoTokenizer.from_pretrained(resolved)
         except (ValueError, OSError) as exc:
@@ -328,6 +376,10 @@ def load_model(
         targets, hf_names = int4_packed_weights(gf, model)
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
         weights = gf.tensors(config, packed=frozenset(hf_names), packed_dtype=dtype)
+    elif int4_format is not None:
+        weights, total = _int4_checkpoint_weights(
+            model, names, weights, int4_format, dtype, device, int4_weights
+        )
     model.load_weights(_stream_with_progress(weights, total, progress))
     if quantization == "fp8":
         use_fp8_linears(model)
