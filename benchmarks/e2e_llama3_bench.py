@@ -34,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmfleet.services.worker.engine.engine import LLMEngine
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import ModelInfo, random_model
+from llmfleet.services.worker.models.loader import random_model
 from llmfleet.shared.config import EngineConfig
 
 GiB = 1 << 30
@@ -164,10 +164,6 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     if getattr(model, "lm_head", None) is not None:  # None: tied, the head reads the table
         total -= embed.numel() * embed.element_size()
     return total
-
-
-def kv_bytes_per_token(info: ModelInfo) -> int:
-    return info.num_layers * 2 * info.num_kv_heads * info.head_dim * info.dtype.itemsize
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -313,7 +309,7 @@ def run(plan: Plan, offline_limit_s: float, log=print) -> Results:
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     engine, start_s = build_engine(plan)
     weights = weight_bytes_per_step(engine.model)
-    kvpt = kv_bytes_per_token(engine.info)
+    kvpt = engine.model_shape.kv_bytes_per_token
     log(f"engine up in {start_s:.1f} s; weights read per step {weights / 1e9:.2f} GB")
     workloads = {
         f"decode b=1 ctx~{plan.single_prompt + plan.single_steps // 2}": (

@@ -29,7 +29,6 @@ from e2e_llama3_bench import (
     build_engine,
     copy_bandwidth,
     engine_decode_ms,
-    kv_bytes_per_token,
     random_prompts,
     weight_bytes_per_step,
 )
@@ -147,7 +146,7 @@ def main() -> None:
     plan = replace(FULL, max_num_seqs=64, graph_max_batch=64)
     engine, _ = build_engine(plan)
     weights = weight_bytes_per_step(engine.model)
-    kv_per_token = kv_bytes_per_token(engine.info)
+    kv_per_token = engine.model_shape.kv_bytes_per_token
     samples = time_phases(engine)
     for batch, prompt, steps in ((1, 128, 64), (64, 1008, 32)):
         prompts = random_prompts(batch, prompt, plan.config.vocab_size, batch)

@@ -83,7 +83,7 @@ def bench_decode(sweep: bool, rows: list, best: dict) -> None:
             results[cfg] = run(cfg)
         cfg = min(results, key=results.get)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        auto = choose_partitions(batch, kv_heads, ctx, top.block_n, sms)
+        auto = choose_partitions(batch, kv_heads, ctx, top.block_n, sms, top.min_partition)
         best["decode"] = {"config": repr(cfg), "ms": results[cfg], "auto_partition": auto}
         best["decode_all"] = {repr(k): v for k, v in sorted(results.items(), key=lambda kv: kv[1])}
         rows.append(("decode best-of-sweep", results[cfg], nbytes / results[cfg] / 1e6, "GB/s"))

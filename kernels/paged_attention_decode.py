@@ -211,7 +211,7 @@ def choose_partitions(
     max_seq_len: int,
     block_n: int,
     num_sms: int,
-    min_partition: int = 128,
+    min_partition: int,
 ) -> tuple[int, int]:
     """(num_parts, min_partition rounded up to block_n): split contexts only as far as needed
     for ~4 programs per SM, into partitions of at least `min_partition` tokens."""

@@ -239,10 +239,14 @@ class CompletionPrinter:
 # ---- remote (gRPC) ------------------------------------------------------------------------
 
 
+# Flags that choose an engine's model: `--offline` and `llmfleet up` only, never a client's.
+_ENGINE_FLAGS = ("model", "device", "dtype", "quantization")
+
+
 def _client(args: argparse.Namespace):  # -> GenerationClient
     from llmfleet.shared.client import GenerationClient
 
-    for flag in ("model", "device", "dtype", "quantization"):
+    for flag in _ENGINE_FLAGS:
         if getattr(args, flag) is not None:
             raise ValidationError(
                 f"--{flag}",
@@ -385,14 +389,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         def session(endpoint: str) -> int:
             # The engine flags chose the fleet's model; the chat itself is a plain client.
-            chat_args = argparse.Namespace(**vars(args))
-            chat_args.endpoint, chat_args.model, chat_args.device, chat_args.dtype = (
-                endpoint,
-                None,
-                None,
-                None,
-            )
-            chat_args.quantization = None
+            chat_args = argparse.Namespace(**{**vars(args), "endpoint": endpoint})
+            for flag in _ENGINE_FLAGS:
+                setattr(chat_args, flag, None)
             return remote_chat(chat_args)
 
     return run(spec, session=session)

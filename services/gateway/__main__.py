@@ -8,15 +8,11 @@ printed to stdout. Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the gatew
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
-from llmfleet.shared.config import GatewayConfig, from_env
-from llmfleet.shared.errors import LLMFleetError, ValidationError
-
-logger = logging.getLogger("llmfleet.services.gateway")
+from llmfleet.shared.config import GatewayConfig
+from llmfleet.shared.service_main import run_service
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,24 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     verbose = args.pop("verbose")
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s",
-    )
-    try:
-        config = from_env(GatewayConfig, **args)
-    except ValidationError as exc:
-        print(f"error: invalid {exc.field}: {exc.message}", file=sys.stderr)
-        return 2
-    from llmfleet.services.gateway.server import serve
 
-    try:
-        asyncio.run(serve(config))
-    except (LLMFleetError, OSError) as exc:
-        logger.error("gateway failed: %s", exc)
-        return 1
-    return 0
+    def load_serve():
+        from llmfleet.services.gateway.server import serve
+
+        return serve
+
+    return run_service("gateway", GatewayConfig, args, load_serve, verbose=verbose)
 
 
 if __name__ == "__main__":

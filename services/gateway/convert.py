@@ -34,13 +34,37 @@ class Call:
     endpoint: Endpoint
     request_id: str  # also the response's `id`
     kwargs: dict[str, Any]  # `build_request` keywords: the prompt and sampling
-    n: int
-    logprobs: bool  # answer with logprobs
     stream: bool
     include_usage: bool  # streaming: a last chunk with usage and no choices
     # Sampling field -> the OpenAI parameter this request set it with, for error messages.
     params: dict[str, str] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.kwargs["n"]
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether to answer with logprobs (the call asks for them)."""
+        return "logprobs" in self.kwargs
+
+
+def _call(
+    endpoint: Endpoint,
+    id_prefix: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    kwargs: dict[str, Any],
+    params: dict[str, str] | None = None,
+) -> Call:
+    return Call(
+        endpoint=endpoint,
+        request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+        kwargs=kwargs,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        params=params or {},
+    )
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -114,16 +138,7 @@ def chat_call(req: ChatCompletionRequest) -> Call:
         params["logprobs"] = "top_logprobs" if req.top_logprobs is not None else "logprobs"
     kwargs["messages"] = chat_messages(req.messages)
     kwargs["add_generation_prompt"] = req.add_generation_prompt
-    return Call(
-        endpoint="chat",
-        request_id=f"chatcmpl-{uuid.uuid4().hex}",
-        kwargs=kwargs,
-        n=req.n,
-        logprobs=req.logprobs,
-        stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        params=params,
-    )
+    return _call("chat", "chatcmpl", req, kwargs, params)
 
 
 def _prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> dict[str, Any]:
@@ -152,15 +167,7 @@ def completion_call(req: CompletionRequest) -> Call:
         kwargs["max_tokens"] = req.max_tokens  # else the server's default (16, as OpenAI's)
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
-    return Call(
-        endpoint="completions",
-        request_id=f"cmpl-{uuid.uuid4().hex}",
-        kwargs=kwargs,
-        n=req.n,
-        logprobs=req.logprobs is not None,
-        stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-    )
+    return _call("completions", "cmpl", req, kwargs)
 
 
 def default_max_tokens(num_prompt_tokens: int, max_model_len: int) -> int:

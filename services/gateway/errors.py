@@ -81,15 +81,12 @@ _BY_GRPC_CODE: dict[str, tuple[int, str, str | None]] = {
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 # Paths in GenerateRequest -> OpenAI parameter names, for both endpoints.
+# (Names not listed are the same on both sides; `chat.` paths drop the prefix.)
 _PARAMS: dict[str, str] = {
     "text": "prompt",
     "tokens": "prompt",
     "tokens.token_ids": "prompt",
     "chat": "messages",
-    "chat.messages": "messages",
-    "prompt": "prompt",
-    "stop": "stop",
-    "logprobs": "logprobs",
 }
 
 

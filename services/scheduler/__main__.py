@@ -8,15 +8,11 @@ printed to stdout. Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the servi
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
-from llmfleet.shared.config import ROUTING_POLICIES, SchedulerConfig, from_env
-from llmfleet.shared.errors import LLMFleetError, ValidationError
-
-logger = logging.getLogger("llmfleet.services.scheduler")
+from llmfleet.shared.config import ROUTING_POLICIES, SchedulerConfig
+from llmfleet.shared.service_main import run_service
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,24 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     verbose = args.pop("verbose")
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s",
-    )
-    try:
-        config = from_env(SchedulerConfig, **args)
-    except ValidationError as exc:
-        print(f"error: invalid {exc.field}: {exc.message}", file=sys.stderr)
-        return 2
-    from llmfleet.services.scheduler.server import serve
 
-    try:
-        asyncio.run(serve(config))
-    except (LLMFleetError, OSError) as exc:
-        logger.error("scheduler failed: %s", exc)
-        return 1
-    return 0
+    def load_serve():
+        from llmfleet.services.scheduler.server import serve
+
+        return serve
+
+    return run_service("scheduler", SchedulerConfig, args, load_serve, verbose=verbose)
 
 
 if __name__ == "__main__":

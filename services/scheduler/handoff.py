@@ -235,37 +235,36 @@ class LeaseHandoff:
 
     def release(self, run: RequestRun, outcome: str) -> None:
         """Release the open lease in the background (the request is ending)."""
-        lease, run.lease = run.lease, None
-        if lease is None:
-            return
-        metrics.LEASES.labels(outcome).inc()
-        stub = self.pool.stub(lease.decode_worker_id)
-        if stub is not None:
-            self._spawn(
-                stub.ReleaseKV(
-                    worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
-                    timeout=CONTROL_TIMEOUT_S,
-                    metadata=metadata(run.trace),
-                )
-            )
+        call = self._release_call(run, outcome)
+        if call is not None:
+            self._spawn(call)
 
     async def release_now(self, run: RequestRun, outcome: str) -> None:
         """Release the open lease before retrying, so a retry never holds two reservations."""
+        worker_id = run.lease.decode_worker_id if run.lease is not None else ""
+        call = self._release_call(run, outcome)
+        if call is None:
+            return
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:  # the lease then expires on the worker by itself
+            logger.info("ReleaseKV on %s failed: %s", worker_id, exc.code().name)
+
+    def _release_call(self, run: RequestRun, outcome: str) -> Coroutine[Any, Any, Any] | None:
+        """Take the run's open lease (counted as `outcome`) and make its ReleaseKV call;
+        None without a lease or a connection to its decode worker."""
         lease, run.lease = run.lease, None
         if lease is None:
-            return
+            return None
         metrics.LEASES.labels(outcome).inc()
         stub = self.pool.stub(lease.decode_worker_id)
         if stub is None:
-            return
-        try:
-            await stub.ReleaseKV(
-                worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
-                timeout=CONTROL_TIMEOUT_S,
-                metadata=metadata(run.trace),
-            )
-        except grpc.aio.AioRpcError as exc:  # the lease then expires on the worker by itself
-            logger.info("ReleaseKV on %s failed: %s", lease.decode_worker_id, exc.code().name)
+            return None
+        return stub.ReleaseKV(
+            worker_pb2.ReleaseKVRequest(lease_id=lease.lease_id, epoch=lease.epoch),
+            timeout=CONTROL_TIMEOUT_S,
+            metadata=metadata(run.trace),
+        )
 
 
 def _first_token_finish(

@@ -104,10 +104,6 @@ class Scheduler:
     def disaggregated(self) -> bool:
         return self.config.mode == "disaggregated"
 
-    @property
-    def serving_roles(self) -> tuple[str, ...]:
-        return (ROLE_DECODE,) if self.disaggregated else (ROLE_UNIFIED,)
-
     def start(self) -> None:
         self.replies.start()
 
@@ -150,7 +146,7 @@ class Scheduler:
             self.worker_gone(info.worker_id, "heartbeat timeout")
 
     def usable(self) -> bool:
-        return any(self.registry.live(role) for role in self.serving_roles)
+        return bool(self.registry.live(self.placement.serving_role))
 
     def model(self) -> ModelSpec | None:
         roles = (ROLE_PREFILL, ROLE_DECODE) if self.disaggregated else (ROLE_UNIFIED,)

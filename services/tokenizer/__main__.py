@@ -8,15 +8,11 @@ loaded, 2 on a bad flag or configuration value.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
-from llmfleet.shared.config import TokenizerConfig, from_env
-from llmfleet.shared.errors import LLMFleetError, ValidationError
-
-logger = logging.getLogger("llmfleet.services.tokenizer")
+from llmfleet.shared.config import TokenizerConfig
+from llmfleet.shared.service_main import run_service
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,31 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s",
-    )
-    try:
-        config = from_env(
-            TokenizerConfig,
-            host=args.host,
-            port=args.port,
-            metrics_port=args.metrics_port,
-            model=args.model,
-        )
-    except ValidationError as exc:
-        print(f"error: invalid {exc.field}: {exc.message}", file=sys.stderr)
-        return 2
-    from llmfleet.services.tokenizer.server import serve
+    args = vars(build_parser().parse_args(argv))
+    verbose = args.pop("verbose")
 
-    try:
-        asyncio.run(serve(config))
-    except (LLMFleetError, OSError) as exc:
-        logger.error("tokenizer failed: %s", exc)
-        return 1
-    return 0
+    def load_serve():
+        from llmfleet.services.tokenizer.server import serve
+
+        return serve
+
+    return run_service("tokenizer", TokenizerConfig, args, load_serve, verbose=verbose)
 
 
 if __name__ == "__main__":

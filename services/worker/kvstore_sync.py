@@ -2,7 +2,7 @@
 
     sync = KVStoreSync(client, engine, loop, layout_key, ctx=ctx, events_endpoint=...)
     await sync.start()                             # subscribe to the kvstore's KV events
-    held = sync.held_prefix(hashes)                # the view's answer; None: ask the kvstore
+    sync.view_holds_none(hashes)                   # True: admission may skip the lookup
     num_remote = await sync.fetch_prefix(hashes)   # before admission; None: no kvstore view
     sync.expect_put(request_id, hashes[num_remote:])
     ... engine loop, between steps: sync.on_output(out) schedules the put once the prompt is done
@@ -83,22 +83,21 @@ class KVStoreSync:
     async def _fetch_snapshot(self, publisher: str) -> KVSnapshot:
         return await self.client.snapshot()
 
-    def held_prefix(self, hashes: list[bytes]) -> int | None:
-        """Leading blocks of `hashes` the kvstore holds as far as the view knows; None without
-        a view in sync (then only `lookup` can tell)."""
+    def view_holds_none(self, hashes: list[bytes]) -> bool:
+        """Whether the view is in sync and holds none of the chain `hashes`, so admission may
+        skip the lookup RPC (counted in `num_lookups_skipped`). False: only `lookup` can tell."""
         view = self._view
         if view is None or view.index.is_stale(_KVSTORE):
-            return None
-        return view.index.matched_prefix(_KVSTORE, hashes)
+            return False
+        if view.index.matched_prefix(_KVSTORE, hashes):
+            return False
+        self.num_lookups_skipped += 1
+        return True
 
     @property
     def num_view_blocks(self) -> int | None:
         """Blocks the kvstore holds as far as the view knows; None without one in sync."""
         return None if self._view is None else self._view.index.num_blocks(_KVSTORE)
-
-    def skip_lookup(self) -> None:
-        """Admission skipped the lookup on the view's word (counted for stats)."""
-        self.num_lookups_skipped += 1
 
     async def fetch_prefix(self, hashes: list[bytes]) -> int | None:
         """Import the kvstore's part of the chain beyond the local prefix cache.

@@ -70,12 +70,10 @@ class EngineThread:
 
 
 class EngineLoop:
-    def __init__(
-        self, engine: LLMEngine, on_iteration: OnIteration, thread: EngineThread | None = None
-    ) -> None:
+    def __init__(self, engine: LLMEngine, on_iteration: OnIteration, thread: EngineThread) -> None:
+        """`thread`: the worker's EngineThread (it built `engine`; its owner shuts it down)."""
         self.engine = engine
-        self._owns_thread = thread is None
-        self.thread = thread or EngineThread()
+        self.thread = thread
         self._on_iteration = on_iteration
         self._ops: deque[Op] = deque()
         self._wake = asyncio.Event()
@@ -93,8 +91,6 @@ class EngineLoop:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
-        if self._owns_thread:
-            self.thread.shutdown()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` between steps and return its result (or raise its error).
@@ -107,16 +103,18 @@ class EngineLoop:
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Queue `fn` now (it runs before the next step) and return the future of its result."""
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        ctx = contextvars.copy_context()  # the caller's (its span), not the loop task's
-        self._ops.append((functools.partial(ctx.run, fn, *args, **kwargs), fut))
-        self._idle.clear()
-        self._wake.set()
+        self._enqueue(fut, fn, args, kwargs)
         return fut
 
     def call_soon(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Queue `fn` without waiting for it (errors are logged)."""
-        ctx = contextvars.copy_context()
-        self._ops.append((functools.partial(ctx.run, fn, *args, **kwargs), None))
+        self._enqueue(None, fn, args, kwargs)
+
+    def _enqueue(
+        self, fut: asyncio.Future[Any] | None, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> None:
+        ctx = contextvars.copy_context()  # the caller's (its span), not the loop task's
+        self._ops.append((functools.partial(ctx.run, fn, *args, **kwargs), fut))
         self._idle.clear()
         self._wake.set()
 

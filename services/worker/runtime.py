@@ -3,7 +3,8 @@
     runtime.start()      # load the model, start the engine loop and sockets, register
     runtime.stop()       # NOT_SERVING, deregister, drain within the grace, close everything
 
-Threads of control (all on one asyncio loop, except the engine step on a worker thread):
+Threads of control (all on one asyncio loop, except the torch work: every engine op and step
+runs on the one `EngineThread`, see loop.py):
   - RPC handlers (server.py) convert protobuf at the boundary and queue engine work on the
     `EngineLoop`;
   - the engine loop steps and, after each iteration, pushes `TokenBatch`es, publishes KV events,
@@ -358,18 +359,11 @@ class WorkerRuntime:
             )
             return num_cached
 
-        if kvstore is None or kvstore.held_prefix(hashes) == 0:
+        if kvstore is None or kvstore.view_holds_none(hashes):
             # Nothing to fetch (no kvstore, or its view holds none of the chain): validation
             # and admission are one engine op, one hop on the TTFT path.
-            num_remote = None if kvstore is None else 0
-            if kvstore is not None:
-                kvstore.skip_lookup()
-
-            def validate_and_admit() -> int:
-                engine.validate_request(request_id, prompt, params)
-                return admit(num_remote)
-
-            num_cached_blocks = await loop.call(validate_and_admit)
+            # (`add_request` validates.)
+            num_cached_blocks = await loop.call(admit, None if kvstore is None else 0)
         else:
             valid = loop.submit(engine.validate_request, request_id, prompt, params)
             # The kvstore fetch starts while the request is validated (both are on the TTFT

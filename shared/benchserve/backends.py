@@ -34,11 +34,11 @@ _ERROR_BODY_CHARS = 500
 
 
 class Backend(Protocol):
-    name: str  # one of BACKENDS
     target: str  # where it sends: a gRPC endpoint or a base URL
 
-    async def model_id(self) -> str:
-        """The served model's id; also checks the server answers at all."""
+    async def model(self) -> tuple[str, int | None]:
+        """The served model's id and vocabulary size (None where the API does not say); also
+        checks the server answers at all."""
         ...
 
     async def send(self, req: SampleRequest, record: RequestRecord, t0: float) -> None:
@@ -78,8 +78,6 @@ class _Timing:
 class GrpcBackend:
     """The public gRPC API. Create and use it inside one running event loop."""
 
-    name = "grpc"
-
     def __init__(
         self,
         endpoint: str,
@@ -95,11 +93,9 @@ class GrpcBackend:
         self._sampling: dict[str, Any] = {"temperature": temperature, "ignore_eos": ignore_eos}
         self._timeout = timeout_s
 
-    async def model_info(self) -> Any:  # -> client.ModelInfo
-        return await self._client.model_info()
-
-    async def model_id(self) -> str:
-        return (await self.model_info()).model_id
+    async def model(self) -> tuple[str, int | None]:
+        info = await self._client.model_info()
+        return info.model_id, info.vocab_size
 
     async def send(self, req: SampleRequest, record: RequestRecord, t0: float) -> None:
         if isinstance(req.prompt, list):
@@ -158,7 +154,6 @@ class OpenAIBackend:
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValidationError("--base-url", f"must start with http:// or https://: {base_url}")
-        self.name = "openai-chat" if chat else "openai"
         self.target = base_url.rstrip("/")
         self._chat = chat
         default_path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -178,6 +173,9 @@ class OpenAIBackend:
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s),
             )
         return self._session
+
+    async def model(self) -> tuple[str, int | None]:
+        return await self.model_id(), None
 
     async def model_id(self) -> str:
         import aiohttp

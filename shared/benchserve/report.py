@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,6 @@ def result_json(
     metrics: BenchmarkMetrics,
     info: RunInfo,
     records: Sequence[RequestRecord],
-    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything reported, flat (`mean_ttft_ms`, `p99_itl_ms`, ...), plus per-request arrays
     in dataset order (`ttfts`/`itls`/`e2els` in seconds, as the records hold them)."""
@@ -140,8 +139,6 @@ def result_json(
             "errors": [r.error for r in ordered],
         }
     )
-    if extra:
-        out.update(extra)
     return out
 
 

@@ -126,7 +126,7 @@ def _backend(args: argparse.Namespace) -> Backend:
 
 def load_tokenizer(path: str | None, vocab_limit: int | None) -> datasets.HFTokenizer:
     """The served model's tokenizer (loads `transformers`; a GGUF one is cached once built)."""
-    from llmfleet.services.tokenizer.server import load_tokenizer as load_hf
+    from llmfleet.services.tokenizer.loading import load_tokenizer as load_hf
 
     return datasets.HFTokenizer(load_hf(path), vocab_limit)
 
@@ -169,12 +169,7 @@ def build_requests(
 async def _run(args: argparse.Namespace) -> tuple[RunInfo, list[RequestRecord], float]:
     backend = _backend(args)
     try:
-        vocab_limit = None
-        if isinstance(backend, GrpcBackend):
-            model_info = await backend.model_info()
-            model_id, vocab_limit = model_info.model_id, model_info.vocab_size
-        else:
-            model_id = await backend.model_id()
+        model_id, vocab_limit = await backend.model()
         tokenizer = load_tokenizer(args.tokenizer, vocab_limit)
         requests = build_requests(args, tokenizer, as_text=args.backend != "grpc")
         warmups, timed = requests[: args.num_warmups], requests[args.num_warmups :]

@@ -124,10 +124,10 @@ def test_choose_partitions() -> None:
     from llmfleet.kernels.paged_attention_decode import choose_partitions
 
     # batch 1, 8 KV heads, 132 SMs: 66 wanted, capped by 2048 / 128 = 16 of >= 128 tokens
-    assert choose_partitions(1, 8, 2048, 64, 132) == (16, 128)
+    assert choose_partitions(1, 8, 2048, 64, 132, 128) == (16, 128)
     assert choose_partitions(1, 8, 2048, 64, 132, min_partition=64) == (32, 64)
-    assert choose_partitions(64, 8, 4096, 64, 132) == (2, 128)  # enough programs already
-    assert choose_partitions(1, 8, 100, 64, 132) == (1, 128)
+    assert choose_partitions(64, 8, 4096, 64, 132, 128) == (2, 128)  # enough programs already
+    assert choose_partitions(1, 8, 100, 64, 132, 128) == (1, 128)
     assert choose_partitions(2, 2, 1000, 48, 4, min_partition=100) == (4, 144)
 
 

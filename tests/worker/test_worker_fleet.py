@@ -123,11 +123,7 @@ def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
             ra = await stub(a).AddRequest(add_request_pb("x", ids, params, replies.endpoint))
             assert ra.num_cached_tokens == 0
             [ca] = await replies.until_finished("x")
-            for _ in range(200):
-                if (await stats(a)).kvstore_blocks_stored == 5:
-                    break
-                await asyncio.sleep(0.02)
-            assert (await stats(a)).kvstore_blocks_stored == 5  # 21 tokens: 5 full blocks
+            await _until(lambda st: st.kvstore_blocks_stored == 5, a)  # 21 tokens: 5 blocks
 
             rb = await stub(b).AddRequest(add_request_pb("y", ids, params, replies.endpoint))
             assert rb.num_cached_tokens == 20

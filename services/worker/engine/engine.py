@@ -289,10 +289,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        self.last_step_cost = estimate_step_cost(self.model_shape, StepBatch.of(sched))
         if not sched:
+            self.last_step_cost = StepCost()
             return outputs
         step = self.runner.execute(sched)  # on a GPU: queued, still running
+        # Host work from here to the sampler overlaps the device's (the batch is read before
+        # the bookkeeping below advances the requests).
+        self.last_step_cost = estimate_step_cost(self.model_shape, StepBatch.of(sched))
         # Bookkeeping that needs no sampled token runs while the device computes.
         for s in sched.scheduled:
             req = s.request

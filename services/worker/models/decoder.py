@@ -149,13 +149,9 @@ class DecoderForCausalLM(CausalLM):
 
     # ---- weight loading -------------------------------------------------------------------
 
-    def weight_target(self, hf_name: str) -> tuple[str, int | None, int] | None:
-        """Where `load_weights` puts a checkpoint tensor: (our parameter name, expert index or
-        None, row offset), or None when it is not loaded."""
-        return self._route(hf_name)
-
-    def _route(self, name: str) -> tuple[str, int | None, int] | None:
-        """HF name -> (our parameter name, expert index or None, row offset); None = ignore."""
+    def weight_target(self, name: str) -> tuple[str, int | None, int] | None:
+        """Where `load_weights` puts the checkpoint tensor of HF name `name`: (our parameter
+        name, expert index or None, row offset), or None when it is not loaded."""
         if name.startswith("model."):
             name = name[len("model.") :]
         if name.endswith(_SKIPPED) or (name == "lm_head.weight" and self.lm_head is None):
@@ -192,7 +188,7 @@ class DecoderForCausalLM(CausalLM):
         params = dict(self.named_parameters())
         numel_loaded = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            route = self._route(hf_name)
+            route = self.weight_target(hf_name)
             if route is None:
                 continue
             name, expert, offset = route

@@ -39,7 +39,8 @@ from llmfleet.shared.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of each nibble of an AWQ word
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_REQUIRED = ("qweight", "qzeros", "scales")
+_PARTS = (*_REQUIRED, "g_idx")
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,18 @@ class Int4CheckpointFormat:
     act_order: bool = False  # GPTQ desc_act: groups follow g_idx, not k // G
 
     @property
-    def servable_packed(self) -> bool:
-        """Whether the INT4 kernel can serve its layers packed (see `servable_group`)."""
-        g = self.group_size
-        top = max(GROUP_SIZES)
-        return not self.act_order and g > 0 and (g in GROUP_SIZES or g % top == 0)
+    def packed_group_size(self) -> int | None:
+        """The group size its layers are served packed with; None: they are dequantized."""
+        return None if self.act_order else kernel_group_size(self.group_size)
 
-    @property
-    def layer_group_size(self) -> int:
-        """The group size the packed layers use (`servable_group`'s)."""
-        return self.group_size if self.group_size in GROUP_SIZES else max(GROUP_SIZES)
+
+def kernel_group_size(group_size: int) -> int | None:
+    """The group size the INT4 kernel serves groups of `group_size` with: itself when the
+    kernel has it, the largest it has for multiples of that (scales repeated); else None."""
+    if group_size in GROUP_SIZES:
+        return group_size
+    top = max(GROUP_SIZES)
+    return top if group_size > 0 and group_size % top == 0 else None
 
 
 def checkpoint_format(config: Any) -> Int4CheckpointFormat | None:
@@ -109,13 +112,14 @@ def checkpoint_format(config: Any) -> Int4CheckpointFormat | None:
 def _unpack_columns(words: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """(R, C // 8) int32 packed along columns -> (R, C) int64 in 0..15. Nibble j (bits 4j)
     holds column 8 c + order[j] (order None: j)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    nib = ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.int64)  # (R, C // 8, 8) by nibble
-    if order is not None:
-        by_column = torch.empty_like(nib)
-        by_column[..., list(order)] = nib
-        nib = by_column
-    return nib.reshape(words.shape[0], words.shape[1] * 8)
+    nib = unpack_int4(words.t()).t().to(torch.int64)  # column 8 c + j = nibble j of word c
+    if order is None:
+        return nib
+    r, c = nib.shape
+    by_nibble = nib.reshape(r, c // 8, 8)
+    by_column = torch.empty_like(by_nibble)
+    by_column[..., list(order)] = by_nibble
+    return by_column.reshape(r, c)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
@@ -180,16 +184,13 @@ def dense_weight(p: PackedInt4) -> torch.Tensor:
 
 
 def servable_group(p: PackedInt4) -> PackedInt4 | None:
-    """`p` with a group size the INT4 kernel has (a multiple of 128, one group per column
-    included, is re-expressed with groups of 128, the scales repeated); None when none."""
-    if p.group_size in GROUP_SIZES:
-        return p
-    top = max(GROUP_SIZES)
-    if p.group_size % top:
+    """`p` regrouped to `kernel_group_size` (scales and zeros repeated); None without one."""
+    g = kernel_group_size(p.group_size)
+    if g is None:
         return None
-    rep = p.group_size // top
+    rep = p.group_size // g
     return PackedInt4(
-        p.qweight, p.scales.repeat_interleave(rep, 0), p.zeros.repeat_interleave(rep, 0), top
+        p.qweight, p.scales.repeat_interleave(rep, 0), p.zeros.repeat_interleave(rep, 0), g
     )
 
 
@@ -232,7 +233,7 @@ def int4_tensors(
         weight_name = f"{module}.weight"
         yield weight_name, _convert(weight_name, parts, fmt, weight_name in packed, dtype)
     if pending:
-        missing = {m: sorted(set(_PARTS[:3]) - set(p)) for m, p in pending.items()}
+        missing = {m: sorted(set(_REQUIRED) - set(p)) for m, p in pending.items()}
         raise ModelLoadError(f"quantized modules lack tensors: {missing}")
 
 
@@ -243,7 +244,7 @@ def _convert(
     keep_packed: bool,
     dtype: torch.dtype,
 ) -> torch.Tensor | PackedInt4:
-    for part in _PARTS[:3]:
+    for part in _REQUIRED:
         if part not in parts:
             raise ModelLoadError(f"{name}: the checkpoint has no {part} for it")
     scales = parts["scales"].to(dtype)

@@ -206,22 +206,21 @@ def _int4_checkpoint_weights(
     weights: Iterable[tuple[str, Any]],
     fmt: Int4CheckpointFormat,
     dtype: torch.dtype,
-    device: str | torch.device,
-    int4_weights: bool | None,
+    keep_int4: bool,
 ) -> tuple[Iterator[tuple[str, Any]], int]:
     """An AWQ/GPTQ checkpoint's tensors for `load_weights` (and their count): each quantized
-    module merged into one weight, packed into an Int4Linear where `keeps_int4` (or
-    `int4_weights`) and the format allow, else dequantized."""
+    module merged into one weight, packed into an Int4Linear where `keep_int4` and the format
+    allow, else dequantized."""
     modules = quantized_modules(names)
     if not modules:
         raise ModelLoadError(f"config says {fmt.method.upper()} but no tensor is a .qweight")
-    keep = keeps_int4(device, dtype) if int4_weights is None else int4_weights
+    group = fmt.packed_group_size
     packed: set[str] = set()
-    if keep and fmt.servable_packed:
+    if keep_int4 and group is not None:
         merged = [f"{m}.weight" for m in modules]
         targets, packed = packed_linear_targets(model, [*names, *merged], set(merged))
-        use_int4_linears(model, targets, fmt.layer_group_size, dtype)
-    elif keep:
+        use_int4_linears(model, targets, group, dtype)
+    elif keep_int4:
         logger.info(
             "%s checkpoint (group size %d%s) is dequantized at load: no packed kernel form",
             fmt.method.upper(),
@@ -260,6 +259,30 @@ def build_model(
     return model.eval()
 
 
+def _model_info(
+    config: Any,
+    model: DecoderForCausalLM,
+    model_id: str,
+    dtype: torch.dtype,
+    *,
+    eos_token_ids: tuple[int, ...] = (),
+    bos_token_id: int | None = None,
+) -> ModelInfo:
+    return ModelInfo(
+        model_id=model_id,
+        architecture=type(model).__name__,
+        vocab_size=int(config.vocab_size),
+        max_model_len=int(config.max_position_embeddings),
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        hidden_size=int(config.hidden_size),
+        eos_token_ids=eos_token_ids,
+        bos_token_id=bos_token_id,
+        dtype=dtype,
+    )
+
+
 def random_model(
     config: Any,
     *,
@@ -281,20 +304,9 @@ def random_model(
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-    info = ModelInfo(
-        model_id=model_id,
-        architecture=type(model).__name__,
-        vocab_size=int(config.vocab_size),
-        max_model_len=int(config.max_position_embeddings),
-        num_layers=int(config.num_hidden_layers),
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        hidden_size=int(config.hidden_size),
-        eos_token_ids=(),
-        bos_token_id=None,
-        dtype=dtype,
+    return LoadedModel(
+        model=model, info=_model_info(config, model, model_id, dtype), tokenizer=None
     )
-    return LoadedModel(model=model, info=info, tokenizer=None)
 
 
 def _stream_with_progress(
@@ -372,13 +384,14 @@ def load_model(
     if backend is None:
         backend = select_backend(device)
     model = build_model(config, dtype=dtype, device=device, backend=backend)
-    if gf is not None and (keeps_int4(device, dtype) if int4_weights is None else int4_weights):
+    keep_int4 = keeps_int4(device, dtype) if int4_weights is None else int4_weights
+    if gf is not None and keep_int4:
         targets, hf_names = int4_packed_weights(gf, model)
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
         weights = gf.tensors(config, packed=frozenset(hf_names), packed_dtype=dtype)
     elif int4_format is not None:
         weights, total = _int4_checkpoint_weights(
-            model, names, weights, int4_format, dtype, device, int4_weights
+            model, names, weights, int4_format, dtype, keep_int4
         )
     model.load_weights(_stream_with_progress(weights, total, progress))
     if quantization == "fp8":
@@ -391,18 +404,13 @@ def load_model(
     bos = getattr(config, "bos_token_id", None)
     if bos is None:
         bos = tokenizer.bos_token_id
-    info = ModelInfo(
-        model_id=model_id,
-        architecture=cls_name,
-        vocab_size=int(config.vocab_size),
-        max_model_len=int(config.max_position_embeddings),
-        num_layers=int(config.num_hidden_layers),
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        hidden_size=int(config.hidden_size),
+    info = _model_info(
+        config,
+        model,
+        model_id,
+        dtype,
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         bos_token_id=None if bos is None else int(bos),
-        dtype=dtype,
     )
     logger.log(
         logging.INFO if progress else logging.DEBUG,
