@@ -152,6 +152,11 @@ class WorkerConfig:
     # Puts of a computed prompt's blocks start this long after its first token, off that
     # token's way to the client (they are background work; a request never waits for them).
     kvstore_put_delay_ms: int = 20
+    # CPU workers: after a step that gave a request its first token, the next step starts this
+    # much later. The step would take every core, so the services carrying that token to the
+    # client (scheduler, tokenizer) would wait for the OS to preempt it. Costs one inter-token
+    # interval this much, once per request; skipped while requests wait. Ignored on GPUs.
+    first_token_yield_ms: float = 4.0
     lease_ttl_ms: int = 30000  # default lifetime of a KV lease this worker grants
     kv_push_timeout_ms: int = 10000  # prefill: wait this long for a decode worker's ack
 
@@ -168,6 +173,8 @@ class WorkerConfig:
             )
         if self.kvstore_put_delay_ms < 0:
             raise ValidationError("kvstore_put_delay_ms", "must be >= 0")
+        if not 0 <= self.first_token_yield_ms <= 1000:
+            raise ValidationError("first_token_yield_ms", "must be in [0, 1000]")
 
 
 @dataclass(frozen=True)

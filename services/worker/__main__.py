@@ -22,7 +22,7 @@ from llmfleet.shared.errors import LLMFleetError, ValidationError
 _WORKER_FLAGS = (
     "host", "port", "metrics_port", "role", "worker_id", "scheduler_address",
     "kvstore_address", "kvstore_endpoint", "kvstore_events_endpoint", "kvstore_put_delay_ms",
-    "lease_ttl_ms", "kv_push_timeout_ms",
+    "first_token_yield_ms", "lease_ttl_ms", "kv_push_timeout_ms",
 )  # fmt: skip
 _ENGINE_FLAGS = (
     "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
@@ -52,6 +52,11 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
         "--kvstore-put-delay-ms",
         type=int,
         help="start prompt-block puts this long after the first token (default 20)",
+    )
+    p.add_argument(
+        "--first-token-yield-ms",
+        type=float,
+        help="CPU: wait this long after a request's first token before the next step (default 4)",
     )
     p.add_argument("--lease-ttl-ms", type=int, help="default lifetime of KV leases granted here")
     p.add_argument("--kv-push-timeout-ms", type=int, help="prefill: wait this long for acks")

@@ -16,6 +16,11 @@ against 0 with a single thread, and ITL grew from 36 ms to 80 ms on 2 cores.
 After every iteration that did something (ops applied and/or a step run), `on_iteration` gets
 the step's outputs (empty when no step ran), so the worker can push tokens and publish KV
 events. With no work and no queued op the loop waits on an event (no polling).
+
+On CPU, a step takes every core; after a step that gave a request its first token the loop
+waits `first_token_yield_s` before the next one, so the scheduler and tokenizer processes that
+carry the token to the client run at once instead of waiting to preempt the step (measured on 2
+cores: the first token's hops after the step went from about 8 ms to 3.5 ms).
 """
 
 from __future__ import annotations
@@ -70,9 +75,19 @@ class EngineThread:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_iteration: OnIteration, thread: EngineThread) -> None:
-        """`thread`: the worker's EngineThread (it built `engine`; its owner shuts it down)."""
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_iteration: OnIteration,
+        thread: EngineThread,
+        *,
+        first_token_yield_s: float = 0.0,
+    ) -> None:
+        """`thread`: the worker's EngineThread (it built `engine`; its owner shuts it down).
+        `first_token_yield_s`: after a step that gave a request its first token, start the next
+        step this much later, unless requests wait (see WorkerConfig.first_token_yield_ms)."""
         self.engine = engine
+        self.first_token_yield_s = first_token_yield_s
         self.thread = thread
         self._on_iteration = on_iteration
         self._ops: deque[Op] = deque()
@@ -167,6 +182,11 @@ class EngineLoop:
                     await self._on_iteration(self.num_steps, outputs)
                 except Exception:
                     logger.exception("handling step %d outputs failed", self.num_steps)
+            if self.first_token_yield_s and _gave_first_token(outputs):
+                # The token is on its way (sent above); leave the cores to the processes
+                # carrying it unless a queued request needs the next step.
+                if self.engine.has_unfinished() and not self.engine.num_waiting:
+                    await asyncio.sleep(self.first_token_yield_s)
             if not self._ops and not self.engine.has_unfinished():
                 self._idle.set()
                 self._wake.clear()
@@ -191,6 +211,10 @@ def _settle(ops: list[Op], results: list[tuple[bool, Any]]) -> None:
                 fut.set_result(value)
             else:
                 fut.set_exception(value)
+
+
+def _gave_first_token(outputs: list[RequestOutput]) -> bool:
+    return any(o.new_token_ids and o.num_output_tokens == len(o.new_token_ids) for o in outputs)
 
 
 def _apply(ops: list[Op]) -> list[tuple[bool, Any]]:

@@ -159,7 +159,8 @@ class WorkerRuntime:
         self.publisher = KVEventPublisher(self._ctx, self.wc.host, self.worker_id)
         self.kv_events_endpoint = self.publisher.endpoint
         self.sinks = ReplySinks(self._ctx, self.worker_id)
-        self.loop = EngineLoop(engine, self._on_iteration, thread)
+        yield_s = self.wc.first_token_yield_ms / 1e3 if engine.device.type == "cpu" else 0.0
+        self.loop = EngineLoop(engine, self._on_iteration, thread, first_token_yield_s=yield_s)
         self.loop.start()
         if self.role in ("prefill", "unified"):
             self.prefill = PrefillSide(

@@ -136,3 +136,37 @@ def test_engine_reports_the_cost_of_the_batch_it_ran(make_checkpoint_module):
     assert not engine.has_unfinished()
     engine.step()  # nothing scheduled: nothing counted
     assert engine.last_step_cost == StepCost()
+
+
+def test_quantized_projections_count_in_the_bytes_they_are_stored_in(make_checkpoint_module):
+    """FP8 attention projections (1 byte + a float32 scale per row) and packed INT4 MLPs
+    (half a byte + scale and zero point per group) read that many bytes, not the
+    embedding's 4 per weight."""
+    from llmfleet.services.worker.models.fp8_linear import Fp8Linear
+    from llmfleet.services.worker.models.int4_linear import Int4Linear
+
+    loaded = load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
+    model, g = loaded.model, 16
+    expected = 0
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("qkv_proj", "o_proj"):
+            old = getattr(attn, name)
+            new = Fp8Linear(
+                old.in_features, old.out_features, bias=False, out_dtype=torch.float32, device="cpu"
+            )
+            setattr(attn, name, new)
+            expected += old.in_features * old.out_features + 4 * old.out_features
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(mlp, name)
+            new = Int4Linear(
+                old.in_features, old.out_features, g, bias=False, dtype=torch.float32, device="cpu"
+            )
+            setattr(mlp, name, new)
+            k, n = old.in_features, old.out_features
+            expected += k * n // 2 + 2 * (k // g) * n * 4
+    shape = model_shape(model, kv_bytes=2)
+    assert shape.weight_bytes == 4
+    assert shape.projection_weight_bytes < 1.1 and shape.mlp_weight_bytes < 2
+    cost = estimate_step_cost(shape, StepBatch((1,), (0,), num_sampled=0))
+    assert cost.read_bytes == expected + shape.hidden_size * 4 + shape.kv_bytes_per_token

@@ -163,6 +163,10 @@ def test_gpu_fp8_gives_the_bf16_greedy_tokens(make_checkpoint, tmp_path: Path) -
     engine = LLMEngine(EngineConfig(quantization="fp8", **cfg), fp8)
     graphs = engine.runner.decode_graphs
     assert graphs is not None
+    # The bandwidth metric counts the FP8 projections at a byte per weight (plus row scales).
+    assert 1.0 < engine.model_shape.projection_weight_bytes < 1.02
+    assert 1.0 < engine.model_shape.mlp_weight_bytes < 1.02
+    assert engine.model_shape.weight_bytes == 2
     got = greedy_tokens(engine, prompts, 32)
     assert graphs.num_replays >= 31  # the decode steps ran from CUDA graphs
     ref = greedy_tokens(LLMEngine(EngineConfig(**cfg), bf16), prompts, 32)

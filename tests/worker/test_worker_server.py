@@ -246,3 +246,61 @@ def test_engine_work_runs_on_the_one_engine_thread(loaded, monkeypatch):
     assert engine_thread is not None and engine_thread != threading.get_ident()
     assert set(threads) == {"__init__", "validate_request", "add_request", "step", "cancel"}
     assert all(idents == {engine_thread} for idents in threads.values()), threads
+
+
+def test_cpu_worker_yields_after_a_first_token_only(loaded, monkeypatch):
+    """After the step that gave a request its first token, the next step starts
+    first_token_yield_ms later (the cores go to the services carrying that token); other
+    steps follow at once, and the tokens are the engine's."""
+    import time
+
+    from llmfleet.services.worker.engine.engine import LLMEngine
+
+    steps: list[tuple[float, float]] = []
+    original = LLMEngine.step
+
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            steps.append((start, time.perf_counter()))
+
+    monkeypatch.setattr(LLMEngine, "step", timed)
+    ids = prompt(loaded, 11)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = reference_tokens(loaded, ids, params)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        w = await start_worker(loaded, first_token_yield_ms=250)
+        replies = Replies(ctx)
+        try:
+            steps.clear()
+            await stub(w).AddRequest(add_request_pb("y1", ids, params, replies.endpoint))
+            [c] = await replies.until_finished("y1")
+            return c.tokens
+        finally:
+            replies.close()
+            await w.stop()
+            ctx.destroy(linger=0)
+
+    assert run(body()) == ref[0]
+    assert len(steps) == 6  # one prefill, five decode steps
+    gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:], strict=False)]
+    assert gaps[0] >= 0.25, gaps
+    assert max(gaps[1:]) < 0.25, gaps
+
+
+def test_first_token_yield_flag_and_its_bounds():
+    from llmfleet.services.worker.__main__ import parse_config
+    from llmfleet.shared.config import WorkerConfig
+    from llmfleet.shared.errors import ValidationError
+
+    worker, _, _ = parse_config(["--first-token-yield-ms", "2.5"])
+    assert worker.first_token_yield_ms == 2.5
+    assert parse_config([])[0].first_token_yield_ms == 4.0
+    for bad in (-1.0, 1001.0):
+        with pytest.raises(ValidationError) as err:
+            WorkerConfig(first_token_yield_ms=bad)
+        assert err.value.field == "first_token_yield_ms"

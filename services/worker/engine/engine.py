@@ -71,6 +71,7 @@ class RequestOutput:
     stop_reason: int | str | None  # stop token id or stop string, when one ended it
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_output_tokens: int = 0  # tokens generated so far, these included
 
 
 class LLMEngine:
@@ -379,6 +380,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
+            num_output_tokens=req.num_output_tokens,
         )
 
     # ---- KV hooks (see the module docstring) ------------------------------------------------

@@ -14,7 +14,9 @@ T new tokens in all, sequence i computing n_i new tokens after c_i already-compu
               LM head      2*h*V per sampled row (only those rows reach it)
     read    every layer weight once (a MoE layer: the router and at most min(E, T*k)
             experts), the LM head when a row is sampled, T embedding rows, and each
-            sequence's whole KV context once per layer: (c_i + n_i) tokens
+            sequence's whole KV context once per layer: (c_i + n_i) tokens. Weights count
+            in the bytes they are stored in: FP8 or packed INT4 projections (with their
+            scales and biases) read less than the embedding's dtype would say
     written the new tokens' K and V: T tokens per layer
 
 Norms, biases, rotary embedding, softmax and activations are left out: they are a small
@@ -25,9 +27,11 @@ re-reads KV moves more bytes than counted).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from llmfleet.services.worker.engine.scheduler import SchedulerOutput
@@ -49,12 +53,18 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     intermediate_size: int
-    weight_bytes: int  # bytes per weight element
+    weight_bytes: int  # bytes per weight element of the embedding, LM head and router
     kv_bytes: int  # bytes per KV-cache element
     num_moe_layers: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    # Bytes per weight of the layers' attention projections, dense MLPs and experts, as
+    # stored (FP8 or packed INT4 with their scales: fractions of the embedding's); None:
+    # weight_bytes.
+    projection_weight_bytes: float | None = None
+    mlp_weight_bytes: float | None = None
+    expert_weight_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
@@ -154,23 +164,44 @@ def estimate_step_cost(shape: ModelShape, batch: StepBatch) -> StepCost:
     )
 
     experts_read = min(s.num_experts, T * s.experts_per_token)
-    weight_elems = (
-        L * s.projection_params
-        + s.num_dense_layers * 3 * h * s.intermediate_size
-        + s.num_moe_layers * (router + experts_read * s.expert_params)
-        + T * h  # embedding rows
-        + (h * s.vocab_size if batch.num_sampled else 0)
+    plain = s.weight_bytes
+    weight_bytes = (
+        L * s.projection_params * _or(s.projection_weight_bytes, plain)
+        + s.num_dense_layers * 3 * h * s.intermediate_size * _or(s.mlp_weight_bytes, plain)
+        + s.num_moe_layers * experts_read * s.expert_params * _or(s.expert_weight_bytes, plain)
+        + (s.num_moe_layers * router + T * h + (h * s.vocab_size if batch.num_sampled else 0))
+        * plain  # routers, embedding rows, LM head
     )
     kv_tokens_read = sum(batch.num_context_tokens) + T
     return StepCost(
         flops=flops,
-        read_bytes=weight_elems * s.weight_bytes + kv_tokens_read * s.kv_bytes_per_token,
+        read_bytes=round(weight_bytes) + kv_tokens_read * s.kv_bytes_per_token,
         write_bytes=T * s.kv_bytes_per_token,
     )
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _stored_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _module_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes of the modules' weights as stored: parameters and buffers (packed words, scales,
+    zero points) other than biases, which the estimate leaves out."""
+    return sum(
+        t.numel() * t.element_size()
+        for m in modules
+        for name, t in (*m.named_parameters(), *m.named_buffers())
+        if not name.endswith("bias")
+    )
+
+
 def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
-    """The shape of a `DecoderForCausalLM` (read from its modules, so it is what runs)."""
+    """The shape of a `DecoderForCausalLM` (read from its modules, so it is what runs),
+    with the bytes per weight its projections, MLPs and experts are stored in."""
     embed = getattr(model, "embed_tokens", None)
     layers = getattr(model, "layers", None)
     if not isinstance(embed, nn.Embedding) or not isinstance(layers, nn.ModuleList) or not layers:
@@ -182,7 +213,10 @@ def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
     sparse = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
     if len(dense) + len(sparse) != len(layers):
         raise TypeError("a layer's MLP is neither MLP nor SparseMoE")
-    return ModelShape(
+    h = embed.embedding_dim
+    attns = [layer.self_attn for layer in layers]
+    proj = _module_bytes(m for a in attns for m in (a.qkv_proj, a.o_proj))
+    shape = ModelShape(
         num_layers=len(layers),
         hidden_size=embed.embedding_dim,
         num_heads=attn.num_heads,
@@ -196,4 +230,15 @@ def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
         num_experts=sparse[0].num_experts if sparse else 0,
         experts_per_token=sparse[0].top_k if sparse else 0,
         moe_intermediate_size=sparse[0].intermediate_size if sparse else 0,
+    )
+    experts = _stored_bytes(t for moe in sparse for t in (moe.w13, moe.w2))
+    return dataclasses.replace(
+        shape,
+        projection_weight_bytes=proj / (len(layers) * shape.projection_params),
+        mlp_weight_bytes=(
+            _module_bytes(dense) / (len(dense) * 3 * h * shape.intermediate_size) if dense else None
+        ),
+        expert_weight_bytes=(
+            experts / (len(sparse) * shape.num_experts * shape.expert_params) if sparse else None
+        ),
     )
