@@ -4,14 +4,19 @@ workers, and a worker's view of the kvstore.
 Pure Python. The subscriber converts each `KVEventBatch` into `KVEvents` and calls `apply`;
 snapshots (`GetKVSnapshot`) arrive as `KVSnapshot` through `apply_snapshot`.
 
-Per publisher, a small state machine (seq numbers are consecutive from 1 per publisher):
+Per publisher, a small state machine. Seq numbers are consecutive from 1 within an epoch: a
+random id the publisher picks when it starts, so a restarted publisher (seq from 1 again) is
+told apart from old events. The index learns a publisher's epoch from the snapshot it synced
+from; epoch 0 (a peer that predates epochs) on both sides never differs.
 
-    SYNCED  --event seq == last+1-->  apply, SYNCED
-    SYNCED  --event seq >  last+1-->  gap: STALE, buffer it, request a snapshot
-    SYNCED  --event seq <= last---->  already reflected (e.g. by a snapshot): drop
-    STALE   --event---------------->  buffer it (a snapshot is on its way)
-    STALE   --snapshot(seq S)------>  replace the set, replay buffered events with seq > S;
-                                      consecutive -> SYNCED, another gap -> request again
+    SYNCED  --event of another epoch-->  restarted: STALE, buffer it, request a snapshot
+    SYNCED  --event seq == last+1----->  apply, SYNCED
+    SYNCED  --event seq >  last+1----->  gap: STALE, buffer it, request a snapshot
+    SYNCED  --event seq <= last------->  already reflected (e.g. by a snapshot): drop
+    STALE   --event------------------->  buffer it (a snapshot is on its way)
+    STALE   --snapshot(epoch E, seq S)->  adopt E, replace the set, replay buffered events of
+                                         epoch E with seq > S (other runs' are dropped);
+                                         consecutive -> SYNCED, another gap -> request again
 
 A publisher is STALE from first contact (`add_publisher`) until its first snapshot, and its
 prefix score is 0 while STALE: a router never uses a view it knows to be stale.
@@ -35,6 +40,7 @@ class KVEvents:
     stored: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
     cleared: bool = False
+    epoch: int = 0  # the publisher's run: `seq` counts from 1 within it
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,13 @@ class KVSnapshot:
     publisher_id: str
     seq: int
     block_hashes: tuple[bytes, ...] = ()
+    epoch: int = 0
 
 
 @dataclass
 class _Publisher:
     hashes: set[bytes] = field(default_factory=set)
+    epoch: int = 0  # of the snapshot `hashes` started from
     last_seq: int = 0
     stale: bool = True
     snapshot_pending: bool = False
@@ -86,6 +94,10 @@ class KVIndex:
             if not pub.snapshot_pending:
                 self._resync(ev.publisher_id, pub)
             return
+        if ev.epoch != pub.epoch:  # the publisher restarted: its seq began again
+            self._buffer(pub, ev)
+            self._resync(ev.publisher_id, pub)
+            return
         if ev.seq <= pub.last_seq:
             return
         if ev.seq != pub.last_seq + 1:
@@ -101,8 +113,12 @@ class KVIndex:
             return
         pub.snapshot_pending = False
         pub.hashes = set(snap.block_hashes)
+        pub.epoch = snap.epoch
         pub.last_seq = snap.seq
-        pending = sorted((e for e in pub.buffered if e.seq > snap.seq), key=lambda e: e.seq)
+        pending = sorted(
+            (e for e in pub.buffered if e.epoch == snap.epoch and e.seq > snap.seq),
+            key=lambda e: e.seq,
+        )
         pub.buffered = []
         for i, ev in enumerate(pending):
             if ev.seq != pub.last_seq + 1:

@@ -71,6 +71,7 @@ class KVSubscriber:
                 stored=tuple(batch.stored),
                 removed=tuple(batch.removed),
                 cleared=batch.cleared,
+                epoch=batch.epoch,
             )
         )
 
@@ -89,4 +90,6 @@ class KVSubscriber:
             self.index.snapshot_failed(worker_id)
             return
         self.num_snapshots += 1
-        self.index.apply_snapshot(KVSnapshot(worker_id, snap.seq, snap.block_hashes))
+        self.index.apply_snapshot(
+            KVSnapshot(worker_id, snap.seq, snap.block_hashes, epoch=snap.epoch)
+        )

@@ -140,7 +140,7 @@ class KVStoreClient:
     async def snapshot(self, *, timeout_s: float | None = None) -> KVSnapshot:
         """Every block hash the store holds (any layout) and the event seq it reflects."""
         resp = await self._rpc("GetKVSnapshot", worker_pb2.GetKVSnapshotRequest(), timeout_s)
-        return KVSnapshot(resp.publisher_id, resp.seq, tuple(resp.block_hashes))
+        return KVSnapshot(resp.publisher_id, resp.seq, tuple(resp.block_hashes), epoch=resp.epoch)
 
     async def close(self) -> None:
         """Fail calls in flight with Unavailable and release the socket and channel."""

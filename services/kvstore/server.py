@@ -94,9 +94,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         except LLMFleetError as e:
             await abort_with(context, e)
             raise  # unreachable: abort_with raises
-        seq, hashes = publisher.snapshot()
+        snap = publisher.snapshot()
         return worker_pb2.GetKVSnapshotResponse(
-            publisher_id=publisher.publisher_id, seq=seq, block_hashes=hashes
+            publisher_id=snap.publisher_id,
+            seq=snap.seq,
+            block_hashes=snap.block_hashes,
+            epoch=snap.epoch,
         )
 
 

@@ -159,7 +159,7 @@ class Scheduler:
         resp = await stub.GetKVSnapshot(
             worker_pb2.GetKVSnapshotRequest(), timeout=CONTROL_TIMEOUT_S
         )
-        return KVSnapshot(worker_id, resp.seq, tuple(resp.block_hashes))
+        return KVSnapshot(worker_id, resp.seq, tuple(resp.block_hashes), epoch=resp.epoch)
 
     # -- abort --------------------------------------------------------------------------------
 

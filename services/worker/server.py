@@ -114,9 +114,12 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.GetKVSnapshotResponse:
         if self.publisher is None:
             await abort_with(context, FailedPrecondition("the worker is not serving"))
-        seq, hashes = self.publisher.snapshot()
+        snap = self.publisher.snapshot()
         return worker_pb2.GetKVSnapshotResponse(
-            publisher_id=self.worker_id, seq=seq, block_hashes=hashes
+            publisher_id=self.worker_id,
+            seq=snap.seq,
+            block_hashes=snap.block_hashes,
+            epoch=snap.epoch,
         )
 
     # ---- lease handoff (decode_side.py, prefill_side.py) ---------------------------------------

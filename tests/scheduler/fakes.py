@@ -269,8 +269,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def _announce(self, prompt: list[int], salt: str) -> int:
         """Publish the prompt's full blocks as cached; returns how many tokens were cached."""
         hashes = prompt_hashes(prompt, salt)
-        _, held = self.publisher.snapshot()
-        held_set = set(held)
+        held_set = set(self.publisher.snapshot().block_hashes)
         cached = 0
         for h in hashes:
             if h not in held_set:
@@ -316,9 +315,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def GetKVSnapshot(self, request, context):
         self.num_snapshots += 1
-        seq, hashes = self.publisher.snapshot()
+        snap = self.publisher.snapshot()
         return worker_pb2.GetKVSnapshotResponse(
-            publisher_id=self.worker_id, seq=seq, block_hashes=hashes
+            publisher_id=self.worker_id,
+            seq=snap.seq,
+            block_hashes=snap.block_hashes,
+            epoch=snap.epoch,
         )
 
     async def ReserveKV(self, request, context):

@@ -1,4 +1,5 @@
-"""KV index: consecutive events apply, gaps and first contact resync by snapshot."""
+"""KV index: consecutive events apply; gaps, first contact and a restarted publisher (another
+epoch) resync by snapshot."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ def _index() -> tuple[KVIndex, list[str]]:
     return KVIndex(asked.append), asked
 
 
-def _synced(idx: KVIndex, pub: str = "w", seq: int = 0, hashes=()) -> None:
+def _synced(idx: KVIndex, pub: str = "w", seq: int = 0, hashes=(), epoch: int = 0) -> None:
     idx.add_publisher(pub)
-    idx.apply_snapshot(KVSnapshot(pub, seq, tuple(hashes)))
+    idx.apply_snapshot(KVSnapshot(pub, seq, tuple(hashes), epoch=epoch))
 
 
 def test_first_contact_is_stale_until_snapshot():
@@ -92,3 +93,43 @@ def test_publishers_are_independent_and_removable():
     assert idx.matched_prefix("a", H[:1]) == 1 and idx.matched_prefix("b", H[:1]) == 0
     idx.remove_publisher("a")
     assert idx.matched_prefix("a", H[:1]) == 0 and idx.publishers() == ["b"]
+
+
+A, B = 0xA, 0xB  # two runs (epochs) of one publisher
+
+
+def test_restarted_publisher_resyncs_instead_of_dropping_its_new_events():
+    idx, asked = _index()
+    _synced(idx, epoch=A)
+    for seq in (1, 2, 3):
+        idx.apply(KVEvents("w", seq, stored=(H[seq],), epoch=A))
+    assert idx.matched_prefix("w", H[1:4]) == 3 and asked == ["w"]
+    # The publisher restarts empty: its seq begins again from 1 (<= 3, dropped without epochs).
+    idx.apply(KVEvents("w", 1, stored=(H[7],), epoch=B))
+    assert idx.is_stale("w") and idx.matched_prefix("w", H[1:4]) == 0
+    idx.apply(KVEvents("w", 2, stored=(H[8],), epoch=B))
+    assert asked == ["w", "w"]  # one request per resync
+    idx.apply_snapshot(KVSnapshot("w", 1, (H[7],), epoch=B))
+    assert not idx.is_stale("w") and idx.num_blocks("w") == 2  # snapshot + buffered seq 2
+    assert idx.matched_prefix("w", [H[7], H[8]]) == 2 and idx.matched_prefix("w", H[1:2]) == 0
+    idx.apply(KVEvents("w", 3, removed=(H[7],), epoch=B))
+    assert idx.matched_prefix("w", [H[8]]) == 1 and idx.num_blocks("w") == 1
+    assert asked == ["w", "w"]
+
+
+def test_late_events_of_the_old_run_never_reach_the_new_runs_set():
+    idx, asked = _index()
+    _synced(idx, seq=5, hashes=(H[0],), epoch=A)
+    idx.apply(KVEvents("w", 1, stored=(H[1],), epoch=B))  # restarted
+    idx.apply(KVEvents("w", 6, stored=(H[9],), epoch=A))  # the old run's last, delivered late
+    idx.apply(KVEvents("w", 2, stored=(H[2],), epoch=B))
+    idx.apply_snapshot(KVSnapshot("w", 1, (H[1],), epoch=B))  # replays B's seq 2 only
+    assert idx.matched_prefix("w", [H[1], H[2]]) == 2 and idx.num_blocks("w") == 2
+    assert asked == ["w", "w"]
+    # Later still, once synced to B: never applied (B's snapshot is the truth), a resync.
+    idx.apply(KVEvents("w", 7, stored=(H[9],), epoch=A))
+    assert idx.matched_prefix("w", [H[9]]) == 0 and asked == ["w"] * 3
+    idx.apply(KVEvents("w", 3, removed=(H[1],), epoch=B))
+    idx.apply_snapshot(KVSnapshot("w", 2, (H[1], H[2]), epoch=B))
+    assert idx.matched_prefix("w", [H[2]]) == 1 and idx.num_blocks("w") == 1
+    assert idx.matched_prefix("w", [H[9]]) == 0 and idx.matched_prefix("w", [H[0]]) == 0

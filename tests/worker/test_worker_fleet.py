@@ -202,6 +202,63 @@ def test_view_of_the_kvstore_skips_lookups_and_puts_wait_their_delay(loaded):
     run(body())
 
 
+def test_view_of_a_restarted_kvstore_resyncs_to_the_new_store(loaded):
+    """A kvstore restarted on the same addresses starts empty with its event seq from 1 again:
+    the worker's view must follow the new store (its epoch differs), not keep the old set."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    config = KVStoreConfig(
+        ram_bytes=64 << 20, port=free_port(), data_port=free_port(), events_port=free_port()
+    )
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        kv = await serve_kvstore(config)
+        kw = dict(
+            kvstore_address=kv.address,
+            kvstore_endpoint=kv.data_endpoint,
+            kvstore_events_endpoint=kv.events_endpoint,
+        )
+        a = await start_worker(loaded, kvstore_put_delay_ms=0, **kw)
+        replies = Replies(ctx)
+
+        async def generate(rid: str, num_tokens: int, seed: int) -> None:
+            ids = prompt(loaded, num_tokens, seed=seed)
+            await stub(a).AddRequest(add_request_pb(rid, ids, params, replies.endpoint))
+            await replies.until_finished(rid)
+
+        try:
+            await _until(lambda st: st.HasField("kvstore_view_blocks"), a)
+            await generate("x", 21, seed=21)  # puts 5 blocks: the old store's event seq 1
+            await _until(lambda st: st.kvstore_view_blocks == 5, a)
+
+            await kv.stop(0)
+            kv = await serve_kvstore(config)  # empty; its first event is seq 1 again
+            # PUB/SUB drops events published before the view's socket reconnects, so put 3
+            # more blocks at a time until the view follows the new store: its set must be
+            # exactly the new store's (without epochs it kept x's 5 and added to them).
+            followed = False
+            for i in range(10):
+                await generate(f"y{i}", 13, seed=100 + i)  # 3 full blocks each
+                new_blocks = 3 * (i + 1)
+                await _until(lambda st, n=new_blocks: st.kvstore_blocks_stored == 5 + n, a)
+                try:
+                    await _until(
+                        lambda st, n=new_blocks: st.kvstore_view_blocks == n, a, timeout_s=2.0
+                    )
+                except AssertionError:
+                    continue
+                followed = True
+                break
+            assert followed, await stats(a)
+        finally:
+            replies.close()
+            await a.stop()
+            await kv.stop(0)
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
 def test_cli_serves_and_exits_zero_on_sigterm(make_checkpoint_module):
     ckpt = make_checkpoint_module("llama")
     cmd = [

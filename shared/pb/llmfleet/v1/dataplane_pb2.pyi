@@ -98,18 +98,20 @@ class TokenBatch(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., step: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("publisher_id", "seq", "stored", "removed", "cleared")
+    __slots__ = ("publisher_id", "seq", "stored", "removed", "cleared", "epoch")
     PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     publisher_id: str
     seq: int
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     cleared: bool
-    def __init__(self, publisher_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, publisher_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KVStoreHeader(_message.Message):
     __slots__ = ("op", "seq", "block_hashes", "layout", "found_count", "error", "traceparent")

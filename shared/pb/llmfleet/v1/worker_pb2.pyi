@@ -76,14 +76,16 @@ class GetKVSnapshotRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetKVSnapshotResponse(_message.Message):
-    __slots__ = ("publisher_id", "seq", "block_hashes")
+    __slots__ = ("publisher_id", "seq", "block_hashes", "epoch")
     PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     publisher_id: str
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, publisher_id: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, publisher_id: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KVLease(_message.Message):
     __slots__ = ("lease_id", "epoch", "expires_at_unix_ms", "kv_endpoint", "num_blocks")
