@@ -79,6 +79,29 @@ def test_refill_with_fewer_sequences_resets_padding_rows():
     assert bufs.block_tables(2)[:, 0].tolist() == [3, 0]
 
 
+def test_refills_follow_growing_moved_and_replaced_block_tables():
+    """Rows keep what an earlier fill wrote when the same (growing) list comes back; a
+    grown table gets its new block, a table at another row or a new list is written whole,
+    and a padding row forgets its table."""
+    bufs = _buffers()
+    a, b = [5], [2, 7]
+    bufs.fill([1, 2], [3, 6], [a, b], 2)
+    a.append(6)  # the block manager's live list grew
+    bufs.fill([1, 2], [4, 7], [a, b], 2)
+    assert bufs.block_tables(2)[0, :2].tolist() == [5, 6]
+    assert bufs.slot_mapping(2).tolist() == [6 * 4 + 0, 7 * 4 + 3]
+    bufs.fill([2, 1], [7, 5], [b, a], 2)  # the rows swap: both rewritten
+    assert bufs.block_tables(2)[:, :2].tolist() == [[2, 7], [5, 6]]
+    assert bufs.slot_mapping(2).tolist() == [7 * 4 + 3, 6 * 4 + 1]
+    c = [9, 8]  # another list of the same length at row 0
+    bufs.fill([3, 1], [5, 5], [c, a], 2)
+    assert bufs.block_tables(2)[0, :2].tolist() == [9, 8]
+    bufs.fill([1], [5], [a], 2)  # row 1 becomes padding
+    bufs.fill([1, 2], [5, 6], [a, b], 2)  # and b comes back to it
+    assert bufs.block_tables(2)[1, :2].tolist() == [2, 7]
+    assert bufs.slot_mapping(2).tolist() == [6 * 4 + 1, 7 * 4 + 2]
+
+
 def test_views_alias_the_buffers_and_copy_takes_the_table_prefix():
     host, dev = _buffers(), _buffers()
     meta = dev.metadata(2, max_seq_len=16)  # what a graph captures: views, then reads later

@@ -112,6 +112,8 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept beside them (tables only ever grow, or go whole).
+        self._req_ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # per request: leading blocks in the cache
         self.stats = PrefixCacheStats()
         self.record_events = False
@@ -129,7 +131,9 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table as ids: the live list, which grows with the table (read
+        it, do not change it; copy it to keep it). Empty for an owner holding nothing."""
+        return self._req_ids.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -193,15 +197,20 @@ class BlockManager:
             return False
         if held is None:
             held = self.req_blocks[req.request_id] = []
+            self._req_ids[req.request_id] = []
             # Prefix hits are registered already: registration resumes after them.
             self._num_registered[req.request_id] = len(computed)
+        ids = self._req_ids[req.request_id]
         for b in computed:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
             held.append(b)
+            ids.append(b.block_id)
         for _ in range(max(num_new, 0)):
-            held.append(self._take_free_block())
+            b = self._take_free_block()
+            held.append(b)
+            ids.append(b.block_id)
         return True
 
     def _take_free_block(self) -> KVBlock:
@@ -237,14 +246,16 @@ class BlockManager:
         if num_blocks > self.num_free_blocks:
             return None
         held = self.req_blocks[owner] = [self._take_free_block() for _ in range(num_blocks)]
+        self._req_ids[owner] = [b.block_id for b in held]
         self._num_registered[owner] = 0
-        return [b.block_id for b in held]
+        return list(self._req_ids[owner])
 
     def transfer_owner(self, old: str, new: str) -> None:
         """Rename the holder of a block table (a reservation becoming a running request)."""
         if new in self.req_blocks:
             raise ValueError(f"{new!r} already holds blocks")
         self.req_blocks[new] = self.req_blocks.pop(old)
+        self._req_ids[new] = self._req_ids.pop(old)
         self._num_registered[new] = self._num_registered.pop(old)
 
     def import_blocks(self, block_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
@@ -304,6 +315,7 @@ class BlockManager:
     def free_owner(self, owner: str) -> bool:
         """Release every block held under `owner`; False if it held none. Idempotent."""
         held = self.req_blocks.pop(owner, None)
+        self._req_ids.pop(owner, None)
         self._num_registered.pop(owner, None)
         if not held:
             return False

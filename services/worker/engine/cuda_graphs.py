@@ -96,6 +96,10 @@ class DecodeBuffers:
             self._i64_np = self.i64.numpy()
             self._seq_np = self.i32[:n].numpy()
             self._tables_np = self._tables.numpy()
+        # Per row: the block table `fill` last wrote there and how many of its entries. A
+        # table passed again as the same list (the block manager's live lists only grow) gets
+        # just its new entries written: a steady batch rewrites almost nothing.
+        self._written: list[tuple[Sequence[int] | None, int]] = [(None, 0)] * n
 
     def token_ids(self, b: int) -> torch.Tensor:  # int64 (b,)
         return self.i64[0, :b]
@@ -133,11 +137,17 @@ class DecodeBuffers:
         if not (len(positions) == len(block_tables) == n):
             raise ValueError("token_ids, positions and block_tables need one entry per sequence")
         i64, seq, tables = self._i64_np, self._seq_np, self._tables_np
-        w = self.max_blocks_per_seq
+        w, written = self.max_blocks_per_seq, self._written
         for i, (p, t) in enumerate(zip(positions, block_tables, strict=True)):
-            if len(t) > w or p >= len(t) * bs or p < 0:
-                raise ValueError(f"position {p} does not fit a block table of {len(t)} blocks")
-            tables[i, : len(t)] = t
+            m = len(t)
+            if m > w or p >= m * bs or p < 0:
+                raise ValueError(f"position {p} does not fit a block table of {m} blocks")
+            src, done = written[i]
+            if src is not t or done > m:
+                done = 0
+            if done < m:
+                tables[i, done:m] = t[done:]
+                written[i] = (t, m)
         i64[0, :n] = token_ids
         i64[1, :n] = positions
         pos = i64[1, :n]
@@ -147,6 +157,7 @@ class DecodeBuffers:
         seq[:n] = pos + 1
         seq[n:batch_size] = 1
         tables[n:batch_size, 0] = 0
+        written[n:batch_size] = [(None, 0)] * (batch_size - n)
 
     def copy_from(self, host: DecodeBuffers, batch_size: int) -> None:
         """Device buffers: take the first `batch_size` rows of `host` (asynchronously)."""

@@ -425,7 +425,7 @@ class LLMEngine:
         """The blocks of a done prefill-only request, in block-table order."""
         if request_id not in self._pinned:
             raise KeyError(request_id)
-        return self.block_manager.block_ids(request_id)
+        return list(self.block_manager.block_ids(request_id))
 
     def release_pinned(self, request_id: str) -> bool:
         req = self._pinned.pop(request_id, None)
