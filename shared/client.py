@@ -21,6 +21,7 @@ This module imports only grpc and the generated messages (no torch), so the CLI 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,7 +201,7 @@ def build_request(
         raise ValidationError("stop", "must be a list of strings, not a single string")
     sampling = common_pb2.SamplingParams(
         stop=list(stop),
-        stop_token_ids=[int(t) for t in stop_token_ids],
+        stop_token_ids=_token_ids("stop_token_ids", stop_token_ids),
         ignore_eos=ignore_eos,
         include_stop_str_in_output=include_stop_str_in_output,
         keep_special_tokens=keep_special_tokens,
@@ -221,7 +222,7 @@ def build_request(
         request_id=request_id or "", sampling=sampling, cache_salt=cache_salt
     )
     if token_ids is not None:
-        req.tokens.token_ids.extend(int(t) for t in token_ids)
+        req.tokens.token_ids.extend(_token_ids("token_ids", token_ids))
     elif messages is not None:
         chat = common_pb2.ChatPrompt(messages=_chat_messages(messages))
         if add_generation_prompt is not None:
@@ -234,6 +235,24 @@ def build_request(
     else:
         req.chat.messages.append(common_pb2.ChatMessage(role="user", content=prompt))
     return req
+
+
+def _token_ids(name: str, values: Sequence[int]) -> list[int]:
+    """Integer token ids within int64 (the wire type); the server checks the vocabulary."""
+    if isinstance(values, (str, bytes)):
+        raise ValidationError(name, "must be a list of integers")
+    out = []
+    for i, t in enumerate(values):
+        try:  # ints, numpy integers, 0-d integer tensors; not floats or strings
+            if isinstance(t, bool):
+                raise TypeError
+            v = operator.index(t)
+        except TypeError:
+            raise ValidationError(f"{name}[{i}]", f"must be an integer, got {t!r}") from None
+        if not -(2**63) <= v < 2**63:
+            raise ValidationError(f"{name}[{i}]", f"{v} is out of range")
+        out.append(v)
+    return out
 
 
 def _chat_messages(messages: Sequence[Mapping[str, str]]) -> list[common_pb2.ChatMessage]:

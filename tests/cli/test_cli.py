@@ -193,6 +193,10 @@ def test_build_request_prompt_forms():
         ({"prompt": "a", "stop": "x"}, "stop"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+        ({"token_ids": [1, 2**64]}, "token_ids[1]"),
+        ({"token_ids": [1, "7"]}, "token_ids[1]"),
+        ({"token_ids": "17"}, "token_ids"),
+        ({"prompt": "a", "stop_token_ids": [2.5]}, "stop_token_ids[0]"),
     ],
 )
 def test_build_request_rejects_malformed_arguments(kwargs, field):
