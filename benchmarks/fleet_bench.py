@@ -20,6 +20,8 @@ import platform
 import statistics
 import time
 import urllib.request
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -39,31 +41,29 @@ def prompts(tokenizer, count: int, n_tokens: int) -> list[list[int]]:
     return out
 
 
-def timings(token_times: list[float], start: float) -> tuple[float, float]:
-    ttft = token_times[0] - start
-    itl = (token_times[-1] - token_times[0]) / max(len(token_times) - 1, 1)
-    return ttft, itl
+def timed_stream(open_stream: Callable[[], Iterable[Any]]) -> tuple[float, float]:
+    """(TTFT, ITL) of one streamed request, timed from just before `open_stream()` starts it;
+    ITL = (last token time - first token time) / (tokens - 1)."""
+    start = time.perf_counter()
+    times: list[float] = []
+    for delta in open_stream():
+        now = time.perf_counter()
+        times.extend([now] * len(delta.token_ids))
+    itl = (times[-1] - times[0]) / max(len(times) - 1, 1)
+    return times[0] - start, itl
 
 
 def run_in_process(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    times: list[float] = []
-    for delta in llm.stream(prompt, params):
-        now = time.perf_counter()
-        times.extend([now] * len(delta.token_ids))
-    return timings(times, start)
+    return timed_stream(lambda: llm.stream(prompt, params))
 
 
 def run_fleet(client: GenerationClient, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-    start = time.perf_counter()
-    times: list[float] = []
-    for delta in client.stream(
-        token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-    ):
-        now = time.perf_counter()
-        times.extend([now] * len(delta.token_ids))
-    return timings(times, start)
+    return timed_stream(
+        lambda: client.stream(
+            token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+    )
 
 
 def step_seconds(metrics_port: str) -> tuple[float, float]:

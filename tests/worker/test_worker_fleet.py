@@ -108,6 +108,15 @@ def test_registers_heartbeats_and_reregisters_when_forgotten(loaded):
     run(body())
 
 
+async def _stop(ctx, replies, kv, *workers) -> None:
+    """Tear down what a kvstore test started: reply socket, workers, kvstore, ZMQ context."""
+    replies.close()
+    for w in workers:
+        await w.stop()
+    await kv.stop(0)
+    ctx.destroy(linger=0)
+
+
 def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
     ids = prompt(loaded, 21, seed=9)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -134,11 +143,7 @@ def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
             assert st.kvstore_blocks_fetched == 5
             assert st.kvstore_blocks_stored == 0  # the kvstore had every full block already
         finally:
-            replies.close()
-            await a.stop()
-            await b.stop()
-            await kv.stop(0)
-            ctx.destroy(linger=0)
+            await _stop(ctx, replies, kv, a, b)
 
     run(body())
 
@@ -193,11 +198,7 @@ def test_view_of_the_kvstore_skips_lookups_and_puts_wait_their_delay(loaded):
             assert st.kvstore_lookups_skipped == 0  # the view held the chain: looked up
             assert st.kvstore_blocks_fetched == 5
         finally:
-            replies.close()
-            await a.stop()
-            await b.stop()
-            await kv.stop(0)
-            ctx.destroy(linger=0)
+            await _stop(ctx, replies, kv, a, b)
 
     run(body())
 
@@ -251,10 +252,7 @@ def test_view_of_a_restarted_kvstore_resyncs_to_the_new_store(loaded):
                 break
             assert followed, await stats(a)
         finally:
-            replies.close()
-            await a.stop()
-            await kv.stop(0)
-            ctx.destroy(linger=0)
+            await _stop(ctx, replies, kv, a)
 
     run(body())
 

@@ -191,8 +191,8 @@ def _stored_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def _module_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the modules' weights as stored: parameters and buffers (packed words, scales,
     zero points) other than biases, which the estimate leaves out."""
-    return sum(
-        t.numel() * t.element_size()
+    return _stored_bytes(
+        t
         for m in modules
         for name, t in (*m.named_parameters(), *m.named_buffers())
         if not name.endswith("bias")
@@ -213,7 +213,6 @@ def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
     sparse = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
     if len(dense) + len(sparse) != len(layers):
         raise TypeError("a layer's MLP is neither MLP nor SparseMoE")
-    h = embed.embedding_dim
     attns = [layer.self_attn for layer in layers]
     proj = _module_bytes(m for a in attns for m in (a.qkv_proj, a.o_proj))
     shape = ModelShape(
@@ -236,7 +235,9 @@ def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
         shape,
         projection_weight_bytes=proj / (len(layers) * shape.projection_params),
         mlp_weight_bytes=(
-            _module_bytes(dense) / (len(dense) * 3 * h * shape.intermediate_size) if dense else None
+            _module_bytes(dense) / (len(dense) * 3 * shape.hidden_size * shape.intermediate_size)
+            if dense
+            else None
         ),
         expert_weight_bytes=(
             experts / (len(sparse) * shape.num_experts * shape.expert_params) if sparse else None
