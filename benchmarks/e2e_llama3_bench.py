@@ -6,9 +6,10 @@
 One run measures, in order:
   1. device-to-device copy bandwidth (a large torch copy; bytes read + written per second);
   2. our engine (`LLMEngine`, CUDA graphs on) on random bf16 weights built directly on the
-     GPU (`loader.random_model`, no checkpoint, no tokenizer): the median wall time of
-     `engine.step()` over pure-decode steps (after a warm-up) for one sequence at a short
-     context and for 64 sequences at context ~1024;
+     GPU (`loader.random_model`, no checkpoint, no tokenizer): the median interval between
+     steps that hand every sequence a decode token (after a warm-up) for one sequence at a
+     short context and for 64 sequences at context ~1024, with async scheduling (the
+     default) and without it ("sync"), two runs each, interleaved;
   3. offline throughput: 256 requests, input and output lengths uniform in 100-1024
      (seeded), ignore_eos, all added at once; output tokens/s (capped by --offline-limit-s:
      the figure is then partial and says so);
@@ -27,12 +28,13 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmfleet.services.worker.engine.engine import LLMEngine
+from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
 from llmfleet.services.worker.models.loader import random_model
 from llmfleet.shared.config import EngineConfig
@@ -171,26 +173,44 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def decode_intervals(
+    engine: LLMEngine, num_seqs: int, on_output: Callable[[RequestOutput], None] | None = None
+) -> list[float]:
+    """Step until nothing is unfinished. Returns the intervals (s) between consecutive
+    `engine.step()` returns that each hand all `num_seqs` sequences one token, counting those
+    that end in decode tokens (not first tokens): the batch's inter-token latencies. (With
+    async scheduling a call returns the tokens of the step launched before it, so the wall
+    time of one call is not a token's.)"""
+    intervals: list[float] = []
+    last = None  # when every sequence last received a token in one step
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        if on_output is not None:
+            for o in outs:
+                on_output(o)
+        if len(outs) == num_seqs and all(len(o.new_token_ids) == 1 for o in outs):
+            if last is not None and all(o.num_output_tokens > 1 for o in outs):
+                intervals.append(now - last)
+            last = now
+    return intervals
+
+
 def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
-    """Median wall time (ms) of `engine.step()` over the steps in which every sequence of the
-    batch decodes one token (the sampler's host copy waits for the device)."""
+    """Median inter-token latency (ms) of a batch decoding `steps` tokens per prompt."""
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     tag = time.monotonic_ns()
     for i, p in enumerate(prompts):
         engine.add_request(f"d{tag}-{i}", p, params)
-    times = []
-    while engine.has_unfinished():
-        sched = engine.scheduler
-        decode = len(sched.running) == len(prompts) and all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
-        )
-        start = time.perf_counter()
-        engine.step()
-        if decode:
-            times.append(time.perf_counter() - start)
-    if not times:
+    intervals = decode_intervals(engine, len(prompts))
+    if not intervals:
         raise RuntimeError(f"no pure-decode step among {steps} tokens of {len(prompts)} seqs")
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(intervals)
+
+
+def with_async(engine: LLMEngine, on: bool) -> None:
+    """Switch the engine's async scheduling (for A/B runs of one engine)."""
+    engine.config = replace(engine.config, async_scheduling=on)
 
 
 @dataclass
@@ -301,6 +321,7 @@ class Results:
     graphs: bool
     kv_blocks: int
     ours: dict[str, float]  # workload -> ms per step
+    ours_sync: dict[str, float]  # the same with async scheduling off
     roofline: dict[str, float]  # workload -> ms per step
     hf: dict[str, float]
     offline: Offline
@@ -329,13 +350,22 @@ def run(plan: Plan, offline_limit_s: float, log=print) -> Results:
             plan.hf_batch_tokens,
         ),
     }
-    ours, roof, hf = {}, {}, {}
+    ours, ours_sync, roof, hf = {}, {}, {}, {}
     for name, (prompts, steps, _) in workloads.items():
         engine_decode_ms(engine, [p[:32] for p in prompts], plan.warmup_steps)
-        ours[name] = engine_decode_ms(engine, prompts, steps)
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for on in (True, False, True, False):  # interleaved: drift hits both sides alike
+            with_async(engine, on)
+            runs[on].append(engine_decode_ms(engine, prompts, steps))
+        with_async(engine, True)
+        ours[name] = statistics.mean(runs[True])
+        ours_sync[name] = statistics.mean(runs[False])
         ctx = len(prompts[0]) + steps / 2
         roof[name] = 1e3 * (weights + len(prompts) * ctx * kvpt) / bw
-        log(f"{name}: ours {ours[name]:.2f} ms/step, roofline {roof[name]:.2f} ms")
+        log(
+            f"{name}: ours {ours[name]:.2f} ms/step (async scheduling off "
+            f"{ours_sync[name]:.2f}), roofline {roof[name]:.2f} ms"
+        )
     offline = offline_throughput(engine, plan, offline_limit_s)
     log(f"offline: {offline.output_tok_s:.0f} output tok/s ({offline.finished} finished)")
     graphs = engine.runner.decode_graphs is not None
@@ -353,8 +383,9 @@ def run(plan: Plan, offline_limit_s: float, log=print) -> Results:
         log(f"{name}: transformers {hf[name]:.2f} ms/step")
     del model
     return Results(
-        device_name, bw, weights, kvpt, start_s, graphs, kv_blocks, ours, roof, hf, offline
-    )
+        device_name, bw, weights, kvpt, start_s, graphs, kv_blocks, ours, ours_sync, roof, hf,
+        offline,
+    )  # fmt: skip
 
 
 def table(r: Results, plan: Plan) -> str:
@@ -364,13 +395,13 @@ def table(r: Results, plan: Plan) -> str:
         f"KV {r.kv_per_token / 1024:.0f} KiB/token; engine start {r.start_s:.1f} s "
         f"(CUDA graphs {'on' if r.graphs else 'off'}, {r.kv_blocks} KV blocks)",
         f"{'workload':22s} {'roofline ms':>11s} {'ours ms':>8s} {'ours/roof':>9s} "
-        f"{'HF ms':>8s} {'HF/roof':>8s} {'HF/ours':>8s}",
+        f"{'sync ms':>8s} {'sync/roof':>9s} {'HF ms':>8s} {'HF/roof':>8s} {'HF/ours':>8s}",
     ]
     for name, roof in r.roofline.items():
-        ours, hf = r.ours[name], r.hf[name]
+        ours, sync, hf = r.ours[name], r.ours_sync[name], r.hf[name]
         lines.append(
             f"{name:22s} {roof:11.2f} {ours:8.2f} {ours / roof:8.2f}x "
-            f"{hf:8.2f} {hf / roof:7.1f}x {hf / ours:7.1f}x"
+            f"{sync:8.2f} {sync / roof:8.2f}x {hf:8.2f} {hf / roof:7.1f}x {hf / ours:7.1f}x"
         )
     o = r.offline
     partial = "" if o.finished == o.requests else f" (PARTIAL: {o.finished} finished)"

@@ -5,8 +5,8 @@
 A random-weight Llama (weights N(0, 0.02), norms 1; Llama-3-8B's layer shape by default:
 hidden 4096, 32/8 heads x 128, intermediate 14336) runs the same engine configuration in
 bfloat16, then with its decoder projections quantized to FP8 in place (use_fp8_linears, what
-load_model does for "fp8"). The figure is the median wall time of `engine.step()` over the
-pure-decode steps (gpu_decode_bench.py's measurement), and the share of greedy tokens that
+load_model does for "fp8"). The figure is the median inter-token latency of the decode
+steps (gpu_decode_bench.py's measurement), and the share of greedy tokens that
 agree. The output head (vocab 32000) stays bfloat16 in both.
 """
 

@@ -6,9 +6,9 @@ Two models built from configs (no checkpoint; weights N(0, 0.02), norms 1), bflo
   - SmolLM2-135M's shape (Llama, 30 layers, hidden 576, 9/3 heads x 64, vocab 49152),
   - a small Qwen3-MoE (8 layers, hidden 1024, 16/4 heads x 128, 32 experts top-4 x 512).
 For batch 1 and 16 (prompts of 100-300 tokens) the same engine configuration runs with
-`cuda_graph_max_batch_size=0` and with graphs; the figure is the median wall time of
-`engine.step()` over the pure-decode steps (scheduling, the forward pass and sampling: the
-sampler's host copy waits for the GPU), and the share of greedy tokens that agree (bf16: the
+`cuda_graph_max_batch_size=0` and with graphs; the figure is the median interval
+between the steps that hand every sequence a decode token (scheduling, the forward pass and
+sampling; with graphs, async scheduling on), and the share of greedy tokens that agree (bf16: the
 padded graph batch changes matmul shapes, so a near-tie can flip).
 Prints a table; paste it with date, device and command into docs/benchmarks.md.
 """
@@ -19,6 +19,7 @@ import argparse
 import time
 
 import torch
+from e2e_llama3_bench import decode_intervals
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from llmfleet.services.worker.engine.engine import LLMEngine
@@ -57,7 +58,8 @@ MODELS = {
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int) -> tuple[float, list[list[int]]]:
-    """Median ms per pure-decode step, and each sequence's tokens."""
+    """Median inter-token latency (ms) of the batch's decode tokens, and each sequence's
+    tokens."""
     g = torch.Generator().manual_seed(batch)
     vocab = engine.info.vocab_size
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -67,17 +69,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int) -> tuple[float, list
         rid = f"b{batch}-{i}-{time.monotonic_ns()}"
         tokens[rid] = []
         engine.add_request(rid, torch.randint(0, vocab, (n,), generator=g).tolist(), params)
-    times = []
-    while engine.has_unfinished():
-        decode = not engine.scheduler.waiting and all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running
-        )
-        start = time.perf_counter()
-        outs = engine.step()
-        if decode:
-            times.append(time.perf_counter() - start)
-        for o in outs:
-            tokens[o.request_id].extend(o.new_token_ids)
+    times = decode_intervals(engine, batch, lambda o: tokens[o.request_id].extend(o.new_token_ids))
     times.sort()
     return 1e3 * times[len(times) // 2], list(tokens.values())
 

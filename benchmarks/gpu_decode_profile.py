@@ -4,9 +4,10 @@
 
 For batch 1 (context ~160) and batch 64 (context ~1024), with the model and engine of
 e2e_llama3_bench.py (CUDA graphs up to batch 64), it prints:
-  - the wall time of `engine.step()` and the roofline (as e2e_llama3_bench.py);
-  - host medians of the step's phases (schedule, the runner's host part, staging the graph's
-    buffers, the replay call, the sampler including its wait for the device);
+  - the inter-token latency and the roofline (as e2e_llama3_bench.py);
+  - host medians of the step's phases (schedule, the runner's host part, the chained step's,
+    staging the graph's buffers, the replay call, sampling, reading tokens back including the
+    wait for the device), with async scheduling on;
   - the GPU time of one graph replay (CUDA events around back-to-back replays), so wall - GPU
     is the host time the device sits idle;
   - the kernels of one replay (torch.profiler): time and launches per replay, top 14.
@@ -90,9 +91,11 @@ def time_phases(engine) -> dict[str, list[float]]:
     graphs = engine.runner.decode_graphs
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.runner, "execute", "runner (host)")
+    wrap(engine.runner, "execute_chained", "chained runner (host)")
     wrap(graphs, "_stage", "stage buffers")
     wrap(graphs, "_launch", "replay call")
-    wrap(engine, "sampler", "sampler (+wait)")
+    wrap(engine.sampler, "sample_ids", "sample (host)")
+    wrap(engine, "_read_back", "read back (+wait)")
     return samples
 
 
@@ -105,9 +108,7 @@ def settle_decoding(engine, prompts: list[list[int]], steps: int, tag: str) -> N
     while True:
         engine.step()
         running = engine.scheduler.running
-        if len(running) == len(prompts) and all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in running
-        ):
+        if len(running) == len(prompts) and all(r.num_output_tokens >= 2 for r in running):
             break
     engine.step()
 

@@ -27,6 +27,7 @@ _WORKER_FLAGS = (
 _ENGINE_FLAGS = (
     "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "cuda_graph_max_batch_size", "quantization",
+    "async_scheduling",
 )  # fmt: skip
 
 
@@ -78,6 +79,12 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
         "--cuda-graph-max-batch-size",
         type=int,
         help="CUDA: replay graphs for decode batches up to this size (default 64; 0: eager)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="CUDA graphs: launch each decode step before the previous one's tokens are read "
+        "back (default on)",
     )
     args = vars(p.parse_args(argv))
     try:

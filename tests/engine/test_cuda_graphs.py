@@ -57,8 +57,11 @@ def ragged_prompts(vocab: int, n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_graphs_give_eager_tokens(arch, loaded):
+    """Eager steps, graph replays waited on one by one (async scheduling off), and replays
+    chained from the previous step's tokens on the device: the same greedy tokens."""
     model = loaded[arch]
     eager = LLMEngine(EngineConfig(cuda_graph_max_batch_size=0, **CFG), model)
+    synced = LLMEngine(EngineConfig(async_scheduling=False, **CFG), model)
     graphed = LLMEngine(EngineConfig(**CFG), model)
     assert eager.runner.decode_graphs is None
     graphs = graphed.runner.decode_graphs
@@ -67,14 +70,22 @@ def test_graphs_give_eager_tokens(arch, loaded):
     for batch in BATCHES:
         prompts = ragged_prompts(model.info.vocab_size, batch)
         want, eager_ms = greedy(eager, prompts)
-        replays = graphs.num_replays
+        got_sync, sync_ms = greedy(synced, prompts)
+        replays, chained = graphs.num_replays, graphed.num_chained_steps
         got, graph_ms = greedy(graphed, prompts)
+        assert got_sync == want, f"batch {batch}"
         assert got == want, f"batch {batch}"
         assert all(len(t) == STEPS for t in got)
-        # One prefill step (every prompt fits the token budget), then STEPS - 1 replays.
+        # One prefill step (every prompt fits the token budget), then STEPS - 1 replays, all
+        # but the first launched ahead of the previous step's read-back.
         assert graphs.num_replays - replays == STEPS - 1
-        rows.append(f"{arch} batch {batch:2d}: eager {eager_ms:.2f} ms, graphs {graph_ms:.2f} ms")
-    assert graphed.num_free_blocks == eager.num_free_blocks == 256
+        assert graphed.num_chained_steps - chained == STEPS - 2
+        rows.append(
+            f"{arch} batch {batch:2d}: eager {eager_ms:.2f} ms, graphs {sync_ms:.2f} ms, "
+            f"graphs + async scheduling {graph_ms:.2f} ms"
+        )
+    assert synced.num_chained_steps == 0
+    assert graphed.num_free_blocks == synced.num_free_blocks == eager.num_free_blocks == 256
     print("\ndecode step (median, engine.step incl. scheduling and sampling)")
     print("\n".join(rows))
 

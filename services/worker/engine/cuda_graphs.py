@@ -256,16 +256,23 @@ class PaddedDecoder:
 
     def run(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:  # (n, V) float32, a view of the static logits
-        """One decode step (the caller checked `fits`): fill, copy, launch."""
+        """One decode step (the caller checked `fits`): fill, copy, launch.
+
+        `token_ids` may be an int64 tensor on the device (the previous step's samples, not
+        read back yet): it is copied into the static buffer on the stream, after the host
+        rows, so the step can be launched before those tokens are known on the host."""
         n = len(token_ids)
         b = padded_size(n, self.sizes)
         if b is None:
             raise ValueError(f"no padded size for a batch of {n}")
-        self._stage(token_ids, positions, block_tables, b)
+        on_device = isinstance(token_ids, torch.Tensor)
+        self._stage([0] * n if on_device else token_ids, positions, block_tables, b)
+        if on_device:
+            self.static.token_ids(n).copy_(token_ids)
         self._launch(b)
         self.num_replays += 1
         return self.logits[:n]

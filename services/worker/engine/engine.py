@@ -29,6 +29,21 @@ KV hooks for the worker (all synchronous; the caller runs them between steps, ne
     prompt is computed and whose first token is appended, `release_reserved` frees them.
 Every path that ends a request, pin or reservation returns its blocks: after all of them end,
 `num_free_blocks` is back at its idle value.
+
+Async scheduling (`async_scheduling`, with CUDA graphs). A synchronous decode step leaves the
+GPU idle while the host reads the tokens back and prepares the next step. Instead, a decode
+step of every running sequence keeps its sampled tokens on the device and returns; the next
+`step` first launches the step after it (each sequence decodes its pending token at the slot
+after its last known token, the token copied into the graph's input on the device), then
+reads the pending tokens back and emits them while that step runs. Tokens therefore come out
+one `step` call after the step that sampled them, at the GPU's pace. Chaining stops (the
+pending tokens are read first, then an ordinary step is scheduled) whenever the next step
+needs the host to know them: a request waiting to be admitted, a running sequence not in the
+step, a sampling row that is not device-only (penalties, logprobs, an active min_tokens), a
+block short, a batch the graphs do not fit, a prefill-only request. A sequence that the
+pending token finishes (a stop token) had one more step launched: its token is dropped and
+its blocks freed (the device writes that step's KV into them before any later use, in stream
+order). Kernels, KV hooks and aborts between steps all queue behind the step in flight.
 """
 
 from __future__ import annotations
@@ -47,7 +62,13 @@ from llmfleet.services.worker.engine.flops import (
 )
 from llmfleet.services.worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmfleet.services.worker.engine.request import Request, RequestStatus
-from llmfleet.services.worker.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from llmfleet.services.worker.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    device_only,
+    small_tensor,
+)
 from llmfleet.services.worker.engine.sampling_params import SamplingLimits, SamplingParams
 from llmfleet.services.worker.engine.scheduler import Scheduler
 from llmfleet.services.worker.models.loader import LoadedModel, load_model
@@ -72,6 +93,31 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int = 0  # tokens generated so far, these included
+
+
+class _InFlight:
+    """A decode step launched whose sampled tokens are still on the device; their copy to
+    the host is queued right behind the step, so reading them back waits for this step
+    alone (`.tolist()` on the device tensor would wait for everything queued after it too,
+    the next step included)."""
+
+    def __init__(self, requests: list[Request], token_ids: torch.Tensor) -> None:
+        self.requests = requests  # row i's sequence
+        self.token_ids = token_ids  # (n,) int64 on the device
+        self._copied: torch.cuda.Event | None = None
+        if token_ids.device.type == "cuda":
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = token_ids
+
+    def read(self) -> list[int]:
+        """The tokens on the host, once this step's copy has run."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
 
 
 class LLMEngine:
@@ -125,6 +171,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._pinned: dict[str, Request] = {}  # prefill-only requests done, blocks held
         self._reserved: dict[str, int] = {}  # reservation owner (lease id) -> blocks held
+        self._inflight: _InFlight | None = None  # a decode step launched, tokens not read
+        self.num_chained_steps = 0  # decode steps launched before their inputs were read back
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -285,10 +333,25 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.num_unfinished or self._deferred or self._pending_outputs)
+        return bool(
+            self.scheduler.num_unfinished
+            or self._deferred
+            or self._pending_outputs
+            or self._inflight is not None
+        )
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            # Queue the next decode step behind the one in flight, from its tokens on the
+            # device, and read those tokens back while the device computes it.
+            self._inflight = self._launch_chained(inflight)
+            outputs += self._read_back(inflight)
+            if self._inflight is not None:
+                for req in self._inflight.requests:  # their newest token is known now
+                    self.block_manager.cache_full_blocks(req)
+                return outputs
         sched = self.scheduler.schedule()
         if not sched:
             self.last_step_cost = StepCost()
@@ -308,29 +371,102 @@ class LLMEngine:
                         self.scheduler.add(sib)
         if not step.sampling_rows:
             return outputs
-        rows = []
-        for j in step.sampling_rows:
-            req = sched.scheduled[j].request
-            rows.append(
-                SamplingRow(
-                    params=req.params,
-                    generator=req.generator,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                    stop_token_ids=req.stop_token_ids,
-                )
-            )
+        reqs = [sched.scheduled[j].request for j in step.sampling_rows]
+        rows = [self._sampling_row(req) for req in reqs]
+        if step.replayed and len(reqs) == len(sched.scheduled) and self._may_chain(reqs, 0):
+            # A decode step of every running sequence: leave its tokens on the device; the
+            # next call launches the step after it first (see "Async scheduling" above).
+            self._inflight = _InFlight(reqs, self.sampler.sample_ids(step.logits, rows))
+            return outputs
         sampled = self.sampler(step.logits, rows)  # waits for the device
-        for r, j in enumerate(step.sampling_rows):
-            req = sched.scheduled[j].request
-            token = sampled.token_ids[r]
-            req.append_output(token, sampled.logprobs[r])
+        return outputs + self._append_tokens(reqs, sampled.token_ids, sampled.logprobs)
+
+    # ---- async scheduling ------------------------------------------------------------------
+    def _may_chain(self, reqs: list[Request], pending: int) -> bool:
+        """Whether the step after one of `reqs` can be launched before its tokens are read:
+        graphs to replay, nothing waiting to be admitted, `reqs` all the running sequences
+        (`pending` tokens not on the host yet), each sampling on the device alone."""
+        if not self.config.async_scheduling or self.runner.decode_graphs is None:
+            return False
+        if self.scheduler.waiting or self._deferred:
+            return False
+        if len(reqs) != len(self.scheduler.running) or set(reqs) != set(self.scheduler.running):
+            return False
+        return all(
+            not r.prefill_only
+            and device_only(r.params, r.num_output_tokens, bool(r.stop_token_ids))
+            for r in reqs
+        )
+
+    def _launch_chained(self, prev: _InFlight) -> _InFlight | None:
+        """Launch the decode step after `prev` for its sequences that go on, each decoding its
+        token of `prev` (on the device) at the slot after its last known token; None when
+        the step needs the host to know those tokens first (then the caller reads them and
+        runs an ordinary step)."""
+        live = [i for i, r in enumerate(prev.requests) if r.status is RequestStatus.RUNNING]
+        if not live or not self._may_chain([prev.requests[i] for i in live], 1):
+            return None
+        # A sequence whose pending token is its last (length limits) has no next step.
+        keep = [
+            i
+            for i in live
+            if prev.requests[i].num_output_tokens + 1 < prev.requests[i].params.max_tokens
+            and prev.requests[i].num_tokens + 1 < self.max_model_len
+        ]
+        reqs = [prev.requests[i] for i in keep]
+        if not reqs:
+            return None
+        for req in reqs:  # the slot of the pending token; nothing is preempted here
+            if not self.block_manager.allocate_slots(req, req.num_tokens + 1):
+                return None
+        token_ids = prev.token_ids
+        if len(keep) != len(prev.requests):
+            token_ids = token_ids.index_select(0, small_tensor(keep, token_ids.device))
+        step = self.runner.execute_chained(reqs, token_ids)
+        if step is None:
+            return None
+        self.num_chained_steps += 1
+        n = len(reqs)
+        batch = StepBatch((1,) * n, tuple(r.num_tokens for r in reqs), n)
+        self.last_step_cost = estimate_step_cost(self.model_shape, batch)
+        for req in reqs:
+            req.num_computed_tokens += 1  # the pending token, appended when read back
+        rows = [self._sampling_row(req) for req in reqs]
+        return _InFlight(reqs, self.sampler.sample_ids(step.logits, rows))
+
+    def _read_back(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for a step's tokens (the host copy waits for the device) and append them."""
+        return self._append_tokens(step.requests, step.read())
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        return SamplingRow(
+            params=req.params,
+            generator=req.generator,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            stop_token_ids=req.stop_token_ids,
+        )
+
+    def _append_tokens(
+        self,
+        reqs: list[Request],
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Append each request's sampled token and end the requests it finishes. A request
+        that ended meanwhile (aborted, or finished before a step launched ahead) drops its."""
+        outputs = []
+        for r, (req, token) in enumerate(zip(reqs, token_ids, strict=True)):
+            if req.is_finished:
+                continue
+            lp = logprobs[r] if logprobs is not None else None
+            req.append_output(token, lp)
             status = self._check_finished(req, token)
             if status is None and req.prefill_only:
                 status = RequestStatus.PREFILLED
             if status is not None:
                 self._finish(req, status, emit=False)
-            outputs.append(self._output(req, [token], [sampled.logprobs[r]]))
+            outputs.append(self._output(req, [token], [lp]))
         return outputs
 
     # ---- helpers ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
 from llmfleet.services.worker.engine.block_manager import BlockManager
 from llmfleet.services.worker.engine.cuda_graphs import DecodeGraphs, PaddedDecoder
+from llmfleet.services.worker.engine.request import Request
 from llmfleet.services.worker.engine.scheduler import SchedulerOutput
 from llmfleet.services.worker.models.loader import ModelInfo
 
@@ -36,6 +37,7 @@ class StepOutput:
     # buffer, valid until the next step
     logits: torch.Tensor
     sampling_rows: list[int]  # index into scheduled of each logits row
+    replayed: bool = False  # a decode step through the captured graphs (`decode_graphs`)
 
 
 class ModelRunner:
@@ -173,4 +175,23 @@ class ModelRunner:
         rows = [j for j, s in enumerate(sched.scheduled) if s.samples]
         if len(rows) != len(token_ids):
             logits = logits[torch.tensor(rows, device=self.device)]
-        return StepOutput(logits, rows)
+        return StepOutput(logits, rows, replayed=True)
+
+    @torch.inference_mode()
+    def execute_chained(
+        self, requests: list[Request], token_ids: torch.Tensor
+    ) -> StepOutput | None:
+        """A decode step whose inputs are not on the host yet: request i decodes
+        `token_ids[i]` (int64, on the device: the previous step's samples) at position
+        `requests[i].num_tokens`, the slot after its last known token, through the captured
+        graphs. Its blocks must already hold that slot. None when the batch does not fit the
+        graphs (or there are none); the caller then waits and runs an ordinary step."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            return None
+        positions = [r.num_tokens for r in requests]
+        tables = [self.bm.block_ids(r.request_id) for r in requests]
+        if not graphs.fits(positions, tables):
+            return None
+        logits = graphs.run(token_ids, positions, tables)
+        return StepOutput(logits, list(range(len(requests))), replayed=True)

@@ -78,23 +78,52 @@ class Sampler:
     """Stateless; one instance serves every step (see the module docstring)."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return _output(logits.float(), self.sample_ids(logits, rows), rows)
+
+    def sample_ids(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """`(B,)` int64 token ids on the logits' device, nothing read back to the host.
+
+        For rows that `device_only` accepts this also never waits for the device, so a step
+        launched ahead (engine.py) can sample while the previous one still computes.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (B={len(rows)}, V), got {tuple(logits.shape)}")
         if all(_is_plain_greedy(row) for row in rows):
-            token_ids = logits.argmax(dim=-1).tolist()
-            return SamplerOutput(token_ids, [None] * len(rows))
-
+            return logits.argmax(dim=-1)
         logits = logits.float()  # no copy when already float32
         processed = process_logits(logits, rows)
         sampled = [i for i, row in enumerate(rows) if row.params.temperature != 0.0]
         if len(sampled) == len(rows):
-            ids = _sample(processed, rows)
-        else:
-            ids = processed.argmax(dim=-1)  # (B,)
-            if sampled:
-                index = torch.tensor(sampled, device=logits.device)
-                ids[index] = _sample(processed[index], [rows[i] for i in sampled])
-        return _output(logits, ids, rows)
+            return _sample(processed, rows)
+        ids = processed.argmax(dim=-1)  # (B,)
+        if sampled:
+            index = small_tensor(sampled, logits.device)
+            ids[index] = _sample(processed[index], [rows[i] for i in sampled])
+        return ids
+
+
+def device_only(params: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
+    """Whether a row samples from its logits alone: no penalty (they count the output tokens
+    on the host), no logprobs (read back), no min_tokens mask at this output length. Such rows
+    can sample before their latest token is known on the host."""
+    return (
+        params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and (num_output_tokens >= params.min_tokens or not has_stop_ids)
+    )
+
+
+def small_tensor(values: Sequence[float] | Sequence[int], device: torch.device) -> torch.Tensor:
+    """A short host list on `device` without waiting for the device: a plain
+    `torch.tensor(..., device="cuda")` synchronizes the stream, which would stall a step
+    launched ahead. On CUDA the list goes through pinned memory, copied asynchronously (the
+    caching host allocator keeps the buffer until the copy has run)."""
+    t = torch.tensor(values)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -127,14 +156,8 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    p = row.params
-    return (
-        p.temperature == 0.0
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and (len(row.output_token_ids) >= p.min_tokens or not row.stop_token_ids)
+    return row.params.temperature == 0.0 and device_only(
+        row.params, len(row.output_token_ids), bool(row.stop_token_ids)
     )
 
 
@@ -182,12 +205,12 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Draw one token per row of `(R, V)` processed logits; every row has temperature > 0."""
     device = logits.device
     vocab_size = logits.shape[1]
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    temperature = small_tensor([r.params.temperature for r in rows], device)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)  # (R, V)
 
     min_p = [r.params.min_p for r in rows]
     if any(min_p):
-        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+        threshold = small_tensor(min_p, device).unsqueeze(1) * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
 
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab_size else 0 for r in rows]
@@ -208,7 +231,8 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
             noise[i].exponential_(generator=rows[i].generator)
         if len(seeded) < len(rows):
             unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-            noise[unseeded] = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+            fresh = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+            noise[small_tensor(unseeded, device)] = fresh
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0 / 0
     return (probs / noise).argmax(dim=-1)
 
@@ -218,7 +242,7 @@ def _kth(values: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
     `values` holds each row's probabilities in descending order, at least `max(top_k)` of them.
     """
-    k = torch.tensor(top_k, device=values.device).unsqueeze(1)  # (R, 1)
+    k = small_tensor(top_k, values.device).unsqueeze(1)  # (R, 1)
     kth = values.gather(1, (k - 1).clamp_min(0))
     return kth.masked_fill(k == 0, 0.0)
 
@@ -235,7 +259,7 @@ def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     cumulative = sorted_probs.cumsum(dim=-1)
     # A row with top_p = 1 keeps everything: comparing with inf avoids rounding in the cumsum
     # dropping its least likely tokens.
-    p = torch.tensor([x if x < 1.0 else float("inf") for x in top_p], device=probs.device)
+    p = small_tensor([x if x < 1.0 else float("inf") for x in top_p], probs.device)
     # Keep position j when the mass before it is still short of top_p of the (renormalized)
     # total: that is the smallest prefix reaching top_p, and always includes position 0.
     keep = (cumulative - sorted_probs) < p.unsqueeze(1) * cumulative[:, -1:]
