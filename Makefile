@@ -64,6 +64,7 @@ bench-serve: $(STAMP)
 bench-gpu:
 	python3 -m llmfleet.kernels.bench_attention
 	python3 -m llmfleet.kernels.bench_matmul_moe
+	python3 -m llmfleet.kernels.bench_gemv
 	python3 benchmarks/gpu_decode_bench.py
 	python3 benchmarks/e2e_llama3_bench.py
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+import llmfleet.kernels.gemv as _gemv
 import llmfleet.kernels.int4_matmul as _i4
 import llmfleet.kernels.int4_pack as _i4p
 import llmfleet.kernels.kv_cache_write as _kvw
@@ -97,6 +98,16 @@ def rotary_embedding(
 ) -> None:
     fn = _rot.rotary_embedding if use_triton(q, force_triton) else _rot.rotary_embedding_ref
     fn(positions, q, k, cos_sin_cache)
+
+
+def gemv(
+    x: torch.Tensor,  # (1, K)
+    weight: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor:  # (1, N)
+    fn = _gemv.gemv if use_triton(x, force_triton) else _gemv.gemv_ref
+    return fn(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:

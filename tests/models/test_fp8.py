@@ -24,6 +24,7 @@ from tiny_models import (
 
 from llmfleet.kernels.quant import per_token_quant_ref
 from llmfleet.services.worker.models.fp8_linear import Fp8Linear, use_fp8_linears
+from llmfleet.services.worker.models.layers import Linear
 from llmfleet.services.worker.models.loader import load_model
 from llmfleet.shared.config import EngineConfig
 from llmfleet.shared.errors import ValidationError
@@ -80,7 +81,7 @@ def test_decoder_projections_become_fp8(arch: str, make_checkpoint_module) -> No
     has_mlp = [type(layer.mlp).__name__ == "MLP" for layer in loaded.model.layers]
     want = {f"layers.{i}.{p}" for i in layers for p in PROJECTIONS if has_mlp[i] or "attn" in p}
     assert set(names) == _fp8_modules(loaded.model) == want
-    assert type(loaded.model.lm_head) is torch.nn.Linear  # the output head stays dense
+    assert type(loaded.model.lm_head) is Linear  # the output head stays dense
     if arch == "qwen3_moe":  # router and stacked experts stay in the model's dtype
         moe = next(layer.mlp for layer in loaded.model.layers if hasattr(layer.mlp, "w13"))
         assert type(moe.gate) is torch.nn.Linear and moe.w13.dtype == torch.float32

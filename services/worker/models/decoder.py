@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmfleet.services.worker.attention.backend import AttentionBackend
@@ -34,7 +33,14 @@ from llmfleet.services.worker.models.int4_linear import (
     PackedInt4,
     unloaded_int4_linears,
 )
-from llmfleet.services.worker.models.layers import MLP, Attention, RMSNorm, load_shard
+from llmfleet.services.worker.models.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    linear,
+    load_shard,
+)
 from llmfleet.services.worker.models.moe import SparseMoE
 from llmfleet.services.worker.models.rotary import (
     RotaryEmbedding,
@@ -120,7 +126,7 @@ class DecoderForCausalLM(CausalLM):
             self.layers.append(DecoderLayer(attn, self.make_mlp(config, i), hidden, eps))
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(hidden, config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else Linear(hidden, config.vocab_size, bias=False)
         )
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
@@ -145,7 +151,7 @@ class DecoderForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, V)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     # ---- weight loading -------------------------------------------------------------------
 

@@ -129,7 +129,7 @@ def check_quantization(
 
 
 def use_fp8_linears(model: nn.Module) -> list[str]:
-    """Replace each decoder layer's FP8_PROJECTIONS that are plain nn.Linear by Fp8Linear,
+    """Replace each decoder layer's FP8_PROJECTIONS that are 16-bit nn.Linear by Fp8Linear,
     one at a time (the 16-bit weight is dropped as its FP8 copy appears, so the peak is the
     16-bit model plus one projection). Returns the module names replaced."""
     replaced = []
@@ -138,7 +138,7 @@ def use_fp8_linears(model: nn.Module) -> list[str]:
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name)
             old = getattr(parent, attr, None)
-            if type(old) is not nn.Linear:
+            if not isinstance(old, nn.Linear):  # already quantized (FP8 or INT4)
                 continue
             setattr(parent, attr, Fp8Linear.from_linear(old))
             replaced.append(f"layers.{i}.{name}")

@@ -67,6 +67,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, except one 16-bit row on CUDA (a decode step at batch 1): that runs the
+    Triton GEMV (kernels/gemv.py), which streams the weight faster than cuBLAS does at M = 1
+    on every Llama-3-8B projection shape (docs/benchmarks.md)."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+    ):
+        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+        return dispatch.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`: the same parameters, state dict and results."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def rowwise_linear(
     x: torch.Tensor,  # (..., in_features)
     out_features: int,
@@ -103,8 +128,8 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via (T, 2I) -> (T, I)
@@ -138,8 +163,8 @@ class Attention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 

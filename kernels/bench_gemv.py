@@ -1,0 +1,96 @@
+"""bf16 matrix-vector products (M = 1) of Llama-3-8B's projections: our GEMV vs cuBLAS.
+
+    python -m llmfleet.kernels.bench_gemv [--quick]
+
+For each projection shape (N, K) (q/k/v, o, gate/up, down, output head) every candidate block
+configuration is checked against the float32 reference on fresh random data (output
+allocated uninitialized, so an unwritten row shows), then timed as the median of CUDA-graph
+replays with the weights rotating over enough copies to exceed L2, like `F.linear` beside it.
+Bandwidth counts the weight once and is compared with the device-to-device copy rate measured
+in the same run (bytes read + written, so a pure read stream can pass 100%).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from llmfleet.kernels import gemv as gv
+from llmfleet.kernels.bench_int4 import bench, rel_err, rotating
+
+PROJECTIONS = {
+    "q/k/v": (6144, 4096),
+    "o": (4096, 4096),
+    "gate/up": (28672, 4096),
+    "down": (4096, 14336),
+    "head": (128256, 4096),
+}
+
+
+def copy_gbs() -> float:
+    """Device-to-device copy rate, bytes read + written per second / 1e9 (a 4 GiB float32 copy,
+    as e2e_llama3_bench.py measures it: a byte-typed copy runs slower)."""
+    src = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src))
+    return 2 * 4 * src.numel() / us / 1e3
+
+
+def candidates(quick: bool) -> list[gv.GemvConfig]:
+    shapes = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 1024, 8), (8, 256, 4), (4, 1024, 4)]
+    if quick:
+        shapes = shapes[:2]
+    out = [gv.GemvConfig(bn, bk, w, 1) for bn, bk, w in shapes]
+    out += [gv.GemvConfig(8, 512, 4, 3), gv.GemvConfig(16, 256, 4, 3)]
+    return out
+
+
+def time_shape(name: str, n: int, k: int, copy: float, quick: bool) -> str:
+    """One table row: cuBLAS, our default and our best configuration for W (n, k)."""
+    nbytes = n * k * 2
+    weights, pick = rotating(
+        lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, nbytes
+    )
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    cublas = bench(lambda: F.linear(x, pick()))
+    times: dict[gv.GemvConfig, float] = {}
+    for cfg in candidates(quick):
+        for _ in range(2):  # fresh data each time
+            w, xx = weights[0], torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            err = rel_err(gv.gemv(xx, w, config=cfg).float(), gv.gemv_ref(xx, w).float())
+            if not err <= 4e-3:
+                raise SystemExit(f"{name} {cfg}: relative error {err:.2e}")
+        times[cfg] = bench(lambda cfg=cfg: gv.gemv(x, pick(), config=cfg))
+    best = min(times, key=times.__getitem__)
+    default = times[gv.default_gemv_config(n, k)]
+
+    def pct(us: float) -> float:
+        return 100 * nbytes / us / 1e3 / copy
+
+    return (
+        f"{name:8s} {n:6d} {k:6d} {cublas:9.1f} {pct(cublas):5.0f} {default:10.1f} "
+        f"{pct(default):5.0f} {times[best]:8.1f} {pct(times[best]):5.0f} {cublas / default:6.2f}x "
+        f"{best}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two configurations only")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy = copy_gbs()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy:.0f} GB/s")
+    print(
+        f"{'proj':8s} {'N':>6s} {'K':>6s} {'cuBLAS us':>9s} {'%copy':>5s} {'default us':>10s} "
+        f"{'%copy':>5s} {'best us':>8s} {'%copy':>5s} {'cuBLAS/default':>7s} best config"
+    )
+    for name, (n, k) in PROJECTIONS.items():
+        print(time_shape(name, n, k, copy, args.quick))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The M = 1 GEMV (kernels/gemv.py) against its float32 reference and F.linear.
+
+Small sizes run compiled on a CUDA machine and in Triton's interpreter on the CPU (ragged N
+and K, block boundaries, bias); the `gpu` test runs Llama-3-8B's projection shapes in bf16 on
+fresh data with the output poisoned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Must precede `import triton` on a CPU-only machine: see test_attention_kernels.py.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from llmfleet.kernels.gemv import GemvConfig, gemv, gemv_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output has NaN (unwritten or broken)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 16), (37, 100), (64, 256), (130, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_ref_and_linear(n: int, k: int, dtype: torch.dtype, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, 2 * k, generator=g).to(DEVICE, dtype)[:, :k]  # strided rows
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    # Blocks smaller than the shapes: several programs, K loop steps, a ragged last step.
+    cfg = GemvConfig(block_n=8, block_k=32)
+    got = gemv(x, w, bias, config=cfg)
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert rel_err(got, gemv_ref(x, w, bias)) < tol
+    assert (
+        rel_err(got, F.linear(x.float(), w.float(), None if bias is None else bias.float())) < tol
+    )
+    assert rel_err(gemv(x, w, bias), gemv_ref(x, w, bias)) < tol  # the default blocks
+
+
+def test_gemv_rejects_what_it_cannot_serve() -> None:
+    x = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x must be \(1, K\)"):
+        gemv(x, torch.randn(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="weight must be"):
+        gemv(x[:1], torch.randn(4, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x[:1], torch.randn(4, 16, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="unit stride"):
+        gemv(x[:1], torch.randn(16, 4, device=DEVICE).t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+)
+def test_gemv_llama3_shapes_bf16(n: int, k: int) -> None:
+    for _ in range(2):  # fresh data each time
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        torch.full((1, n), float("nan"), device="cuda")  # poison the allocator's next block
+        got = gemv(x, w)
+        assert rel_err(got, gemv_ref(x, w)) < 4e-3  # bf16 rounding of the output
