@@ -47,6 +47,11 @@ PREFIX_HITS = prometheus_client.Counter(
 NUM_PREEMPTIONS = prometheus_client.Counter(
     "vllm:num_preemptions", "Requests preempted (blocks freed, recomputed later)", ["model_name"]
 )
+CHAINED_STEPS = prometheus_client.Counter(
+    "llmfleet:engine_chained_steps",
+    "Decode steps launched before the previous step's tokens were read back (async scheduling)",
+    ["model_name"],
+)
 CACHE_CONFIG_INFO = prometheus_client.Gauge(
     "vllm:cache_config_info",
     "KV cache configuration, in the labels (the value is always 1)",
@@ -99,6 +104,9 @@ class StepMetrics:
         self._preemptions = NUM_PREEMPTIONS.labels(name)
         self._scheduler = engine.scheduler
         self._preemptions_seen = engine.scheduler.num_preemptions_total
+        self._chained = CHAINED_STEPS.labels(name)
+        self._engine = engine
+        self._chained_seen = engine.num_chained_steps
 
     def on_step(self, seconds: float, cost: StepCost) -> None:
         self._seconds.observe(seconds)
@@ -106,6 +114,10 @@ class StepMetrics:
         if preempted:
             self._preemptions.inc(preempted)
             self._preemptions_seen += preempted
+        chained = self._engine.num_chained_steps - self._chained_seen
+        if chained:
+            self._chained.inc(chained)
+            self._chained_seen += chained
         self._flops.inc(cost.flops)
         self._read.inc(cost.read_bytes)
         self._write.inc(cost.write_bytes)

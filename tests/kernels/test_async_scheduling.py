@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import prometheus_client  # noqa: E402
 import pytest  # noqa: E402
 
 from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
@@ -23,6 +24,7 @@ from llmfleet.services.worker.engine.cuda_graphs import PaddedDecoder  # noqa: E
 from llmfleet.services.worker.engine.engine import LLMEngine  # noqa: E402
 from llmfleet.services.worker.engine.sampling_params import SamplingParams  # noqa: E402
 from llmfleet.services.worker.models.loader import LoadedModel, load_model  # noqa: E402
+from llmfleet.services.worker.outputs import StepMetrics  # noqa: E402
 from llmfleet.shared.config import EngineConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,6 +141,26 @@ def test_abort_and_arrival_while_a_step_is_in_flight(loaded) -> None:
     assert reasons == {"r0": "length", "r1": "abort", "r2": "length"}
     assert engine.num_chained_steps > chained  # chaining resumed after r2 joined
     assert engine.num_free_blocks == NUM_BLOCKS
+
+
+def test_chained_steps_are_counted_for_prometheus(loaded) -> None:
+    engine = make_engine(loaded, True)
+    metrics = StepMetrics(engine)  # what the worker's engine loop updates after each step
+    name = {"model_name": engine.info.model_id}
+
+    def count() -> float:
+        sample = "llmfleet:engine_chained_steps_total"
+        return prometheus_client.REGISTRY.get_sample_value(sample, name) or 0.0
+
+    before = count()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", prompts()[0], params)
+    while engine.has_unfinished():
+        engine.step()
+        metrics.on_step(0.01, engine.last_step_cost)
+    # Prefill, one decode step whose tokens stay on the device, then 4 chained steps.
+    assert engine.num_chained_steps == 4
+    assert count() - before == 4
 
 
 @pytest.mark.gpu

@@ -373,7 +373,7 @@ class LLMEngine:
             return outputs
         reqs = [sched.scheduled[j].request for j in step.sampling_rows]
         rows = [self._sampling_row(req) for req in reqs]
-        if step.replayed and len(reqs) == len(sched.scheduled) and self._may_chain(reqs, 0):
+        if step.replayed and len(reqs) == len(sched.scheduled) and self._may_chain(reqs):
             # A decode step of every running sequence: leave its tokens on the device; the
             # next call launches the step after it first (see "Async scheduling" above).
             self._inflight = _InFlight(reqs, self.sampler.sample_ids(step.logits, rows))
@@ -382,10 +382,11 @@ class LLMEngine:
         return outputs + self._append_tokens(reqs, sampled.token_ids, sampled.logprobs)
 
     # ---- async scheduling ------------------------------------------------------------------
-    def _may_chain(self, reqs: list[Request], pending: int) -> bool:
-        """Whether the step after one of `reqs` can be launched before its tokens are read:
-        graphs to replay, nothing waiting to be admitted, `reqs` all the running sequences
-        (`pending` tokens not on the host yet), each sampling on the device alone."""
+    def _may_chain(self, reqs: list[Request]) -> bool:
+        """Whether the step after a decode step of `reqs` can be launched before that step's
+        tokens are read: graphs to replay, nothing waiting to be admitted, `reqs` all the
+        running sequences, each sampling on the device alone (checked at its known output
+        length, which is conservative for min_tokens: one token may still be pending)."""
         if not self.config.async_scheduling or self.runner.decode_graphs is None:
             return False
         if self.scheduler.waiting or self._deferred:
@@ -404,7 +405,7 @@ class LLMEngine:
         the step needs the host to know those tokens first (then the caller reads them and
         runs an ordinary step)."""
         live = [i for i, r in enumerate(prev.requests) if r.status is RequestStatus.RUNNING]
-        if not live or not self._may_chain([prev.requests[i] for i in live], 1):
+        if not live or not self._may_chain([prev.requests[i] for i in live]):
             return None
         # A sequence whose pending token is its last (length limits) has no next step.
         keep = [
