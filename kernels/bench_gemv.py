@@ -1,18 +1,21 @@
 """bf16 matrix-vector products (M = 1) of Llama-3-8B's projections: our GEMV vs cuBLAS.
 
-    python -m llmfleet.kernels.bench_gemv [--quick]
+    python -m llmfleet.kernels.bench_gemv [--quick] [--save]
 
 For each projection shape (N, K) (q/k/v, o, gate/up, down, output head) every candidate block
 configuration is checked against the float32 reference on fresh random data (output
 allocated uninitialized, so an unwritten row shows), then timed as the median of CUDA-graph
 replays with the weights rotating over enough copies to exceed L2, like `F.linear` beside it.
 Bandwidth counts the weight once and is compared with the device-to-device copy rate measured
-in the same run (bytes read + written, so a pure read stream can pass 100%).
+in the same run (bytes read + written, so a pure read stream can pass 100%). "ours" is what
+`gemv` picks by itself (this device's tuned file, else the untuned default); `--save` writes
+each shape's fastest candidate into the tuned file (kernels/configs/gemv/).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +33,19 @@ PROJECTIONS = {
 
 
 def copy_gbs() -> float:
-    """Device-to-device copy rate, bytes read + written per second / 1e9 (a 4 GiB float32 copy,
-    as e2e_llama3_bench.py measures it: a byte-typed copy runs slower)."""
+    """Device-to-device copy rate, bytes read + written per second / 1e9, measured as
+    e2e_llama3_bench.py does: a 4 GiB float32 copy, median of 20 (CUDA events)."""
     src = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src))
-    return 2 * 4 * src.numel() / us / 1e3
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * 4 * src.numel() / statistics.median(times) / 1e6
 
 
 def candidates(quick: bool) -> list[gv.GemvConfig]:
@@ -43,20 +53,22 @@ def candidates(quick: bool) -> list[gv.GemvConfig]:
     if quick:
         shapes = shapes[:2]
     out = [gv.GemvConfig(bn, bk, w, 1) for bn, bk, w in shapes]
-    out += [gv.GemvConfig(8, 512, 4, 3), gv.GemvConfig(16, 256, 4, 3)]
+    staged = [(8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8)]
+    out += [gv.GemvConfig(bn, bk, w, 3) for bn, bk, w in staged]
     return out
 
 
-def time_shape(name: str, n: int, k: int, copy: float, quick: bool) -> str:
-    """One table row: cuBLAS, our default and our best configuration for W (n, k)."""
+def time_shape(name: str, n: int, k: int, copy: float, quick: bool) -> tuple[str, gv.GemvConfig]:
+    """One table row (cuBLAS, ours as picked, our best candidate for W (n, k)) and the best."""
     nbytes = n * k * 2
     weights, pick = rotating(
         lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, nbytes
     )
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     cublas = bench(lambda: F.linear(x, pick()))
+    picked = gv.get_config(n, k, x.dtype, x.device)
     times: dict[gv.GemvConfig, float] = {}
-    for cfg in candidates(quick):
+    for cfg in [picked, *(c for c in candidates(quick) if c != picked)]:
         for _ in range(2):  # fresh data each time
             w, xx = weights[0], torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             err = rel_err(gv.gemv(xx, w, config=cfg).float(), gv.gemv_ref(xx, w).float())
@@ -64,32 +76,39 @@ def time_shape(name: str, n: int, k: int, copy: float, quick: bool) -> str:
                 raise SystemExit(f"{name} {cfg}: relative error {err:.2e}")
         times[cfg] = bench(lambda cfg=cfg: gv.gemv(x, pick(), config=cfg))
     best = min(times, key=times.__getitem__)
-    default = times[gv.default_gemv_config(n, k)]
+    default = times[picked]
 
     def pct(us: float) -> float:
         return 100 * nbytes / us / 1e3 / copy
 
-    return (
+    row = (
         f"{name:8s} {n:6d} {k:6d} {cublas:9.1f} {pct(cublas):5.0f} {default:10.1f} "
         f"{pct(default):5.0f} {times[best]:8.1f} {pct(times[best]):5.0f} {cublas / default:6.2f}x "
         f"{best}"
     )
+    return row, best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two configurations only")
+    ap.add_argument("--save", action="store_true", help="write the fastest into the tuned file")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy = copy_gbs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy:.0f} GB/s")
     print(
-        f"{'proj':8s} {'N':>6s} {'K':>6s} {'cuBLAS us':>9s} {'%copy':>5s} {'default us':>10s} "
-        f"{'%copy':>5s} {'best us':>8s} {'%copy':>5s} {'cuBLAS/default':>7s} best config"
+        f"{'proj':8s} {'N':>6s} {'K':>6s} {'cuBLAS us':>9s} {'%copy':>5s} {'ours us':>10s} "
+        f"{'%copy':>5s} {'best us':>8s} {'%copy':>5s} {'cuBLAS/ours':>7s} best config"
     )
+    best: dict[tuple[int, int], gv.GemvConfig] = {}
     for name, (n, k) in PROJECTIONS.items():
-        print(time_shape(name, n, k, copy, args.quick))
+        row, best[n, k] = time_shape(name, n, k, copy, args.quick)
+        print(row, flush=True)
         torch.cuda.empty_cache()
+    if args.save:
+        path = gv.save_configs(torch.cuda.get_device_name(), torch.bfloat16, best)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
