@@ -121,10 +121,16 @@ def _shape_key(key: str) -> tuple[int, int]:
 def get_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
     """The tuned config of this shape on this device, else `default_gemv_config`."""
     if device.type == "cuda":
-        tuned = load_configs(torch.cuda.get_device_name(device), dtype).get((n, k))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tuned = load_configs(_device_name(index), dtype).get((n, k))
         if tuned is not None:
             return tuned
     return default_gemv_config(n, k)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)  # looked up once: gemv runs per projection
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
