@@ -101,13 +101,13 @@ def test_decode_matches_ref(group: int, partition_size: int | None) -> None:
     assert rel_err(out, paged_attention_decode_ref(*args)) < FP32_TOL
 
 
-@pytest.mark.parametrize("num_sms,bound", [(4, 80), (4, 512), (64, 512)])
+@pytest.mark.parametrize("num_sms,bound", [(6, 80), (6, 512), (64, 512)])
 def test_decode_spreads_each_sequence_over_a_grid_sized_for_a_bound(
     monkeypatch: pytest.MonkeyPatch, num_sms: int, bound: int
 ) -> None:
     """As in a CUDA graph: the grid is sized for `bound` (>= every length), and each sequence
     spreads its own length over the partitions (2 of 48 + 32 tokens for length 80 when only
-    2 are wanted; one 16-token tile each when many are)."""
+    2 are wanted: 6 SMs, 12 programs; one 16-token tile each when many are)."""
     import llmfleet.kernels.paged_attention_decode as decode
 
     monkeypatch.setattr(decode, "_num_sms", lambda device: num_sms)
@@ -126,7 +126,8 @@ def test_choose_partitions() -> None:
     # batch 1, 8 KV heads, 132 SMs: 66 wanted, capped by 2048 / 128 = 16 of >= 128 tokens
     assert choose_partitions(1, 8, 2048, 64, 132, 128) == (16, 128)
     assert choose_partitions(1, 8, 2048, 64, 132, min_partition=64) == (32, 64)
-    assert choose_partitions(64, 8, 4096, 64, 132, 128) == (2, 128)  # enough programs already
+    assert choose_partitions(64, 8, 4096, 64, 132, 128) == (1, 128)  # enough programs already
+    assert choose_partitions(32, 8, 4096, 64, 132, 128) == (2, 128)  # 256 programs: split in 2
     assert choose_partitions(1, 8, 100, 64, 132, 128) == (1, 128)
     assert choose_partitions(2, 2, 1000, 48, 4, min_partition=100) == (4, 144)
 
