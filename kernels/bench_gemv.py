@@ -15,12 +15,12 @@ each shape's fastest candidate into the tuned file (kernels/configs/gemv/).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from llmfleet.kernels import gemv as gv
+from llmfleet.kernels.bench_attention import copy_bandwidth
 from llmfleet.kernels.bench_int4 import bench, rel_err, rotating
 
 PROJECTIONS = {
@@ -30,22 +30,6 @@ PROJECTIONS = {
     "down": (4096, 14336),
     "head": (128256, 4096),
 }
-
-
-def copy_gbs() -> float:
-    """Device-to-device copy rate, bytes read + written per second / 1e9, measured as
-    e2e_llama3_bench.py does: a 4 GiB float32 copy, median of 20 (CUDA events)."""
-    src = torch.empty(1 << 30, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * 4 * src.numel() / statistics.median(times) / 1e6
 
 
 def candidates(quick: bool) -> list[gv.GemvConfig]:
@@ -95,7 +79,7 @@ def main() -> None:
     ap.add_argument("--save", action="store_true", help="write the fastest into the tuned file")
     args = ap.parse_args()
     torch.manual_seed(0)
-    copy = copy_gbs()
+    copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy:.0f} GB/s")
     print(
         f"{'proj':8s} {'N':>6s} {'K':>6s} {'cuBLAS us':>9s} {'%copy':>5s} {'ours us':>10s} "

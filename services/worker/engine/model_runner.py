@@ -162,16 +162,12 @@ class ModelRunner:
 
     def _replay_decode(self, sched: SchedulerOutput, graphs: PaddedDecoder) -> StepOutput | None:
         """A pure-decode step through a captured graph; None when the batch does not fit."""
-        token_ids, positions, tables = [], [], []
-        for s in sched.scheduled:
-            req = s.request
-            pos = req.num_computed_tokens
-            token_ids.append(req.all_token_ids[pos])
-            positions.append(pos)
-            tables.append(self.bm.block_ids(req.request_id))
-        if not graphs.fits(positions, tables):
+        requests = [s.request for s in sched.scheduled]
+        positions = [r.num_computed_tokens for r in requests]
+        token_ids = [r.all_token_ids[p] for r, p in zip(requests, positions, strict=True)]
+        logits = self._replay(graphs, requests, token_ids, positions)  # (n, vocab)
+        if logits is None:
             return None
-        logits = graphs.run(token_ids, positions, tables)  # (n, vocab)
         rows = [j for j, s in enumerate(sched.scheduled) if s.samples]
         if len(rows) != len(token_ids):
             logits = logits[torch.tensor(rows, device=self.device)]
@@ -186,12 +182,24 @@ class ModelRunner:
         `requests[i].num_tokens`, the slot after its last known token, through the captured
         graphs. Its blocks must already hold that slot. None when the batch does not fit the
         graphs (or there are none); the caller then waits and runs an ordinary step."""
-        graphs = self.decode_graphs
-        if graphs is None:
+        if self.decode_graphs is None:
             return None
         positions = [r.num_tokens for r in requests]
+        logits = self._replay(self.decode_graphs, requests, token_ids, positions)
+        if logits is None:
+            return None
+        return StepOutput(logits, list(range(len(requests))), replayed=True)
+
+    def _replay(
+        self,
+        graphs: PaddedDecoder,
+        requests: list[Request],
+        token_ids: list[int] | torch.Tensor,
+        positions: list[int],
+    ) -> torch.Tensor | None:
+        """(n, vocab) logits of request i decoding token_ids[i] at positions[i] through the
+        graphs; None when the batch does not fit them."""
         tables = [self.bm.block_ids(r.request_id) for r in requests]
         if not graphs.fits(positions, tables):
             return None
-        logits = graphs.run(token_ids, positions, tables)
-        return StepOutput(logits, list(range(len(requests))), replayed=True)
+        return graphs.run(token_ids, positions, tables)
