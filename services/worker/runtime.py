@@ -7,8 +7,9 @@ Threads of control (all on one asyncio loop, except the torch work: every engine
 runs on the one `EngineThread`, see loop.py):
   - RPC handlers (server.py) convert protobuf at the boundary and queue engine work on the
     `EngineLoop`;
-  - the engine loop steps and, after each iteration, pushes `TokenBatch`es, publishes KV events,
-    completes prefill waiters and starts kvstore puts;
+  - the engine loop steps; right after each step the engine thread itself pushes the new tokens
+    (`TokenBatch`es); after each iteration the event loop publishes KV events, completes
+    prefill waiters and starts kvstore puts;
   - decode side (decode_side.py): the `KVReceiver` writes pushed blocks into lease
     reservations (via the loop), a sweeper expires leases and frees their blocks;
   - prefill side (prefill_side.py): a prefill waits for its first output, then pushes its KV;
@@ -160,7 +161,9 @@ class WorkerRuntime:
         self.kv_events_endpoint = self.publisher.endpoint
         self.sinks = ReplySinks(self._ctx, self.worker_id)
         yield_s = self.wc.first_token_yield_ms / 1e3 if engine.device.type == "cpu" else 0.0
-        self.loop = EngineLoop(engine, self._on_iteration, thread, first_token_yield_s=yield_s)
+        self.loop = EngineLoop(
+            engine, self._on_iteration, thread, first_token_yield_s=yield_s, on_step=self._push
+        )
         self.loop.start()
         if self.role in ("prefill", "unified"):
             self.prefill = PrefillSide(
@@ -264,6 +267,12 @@ class WorkerRuntime:
         await self.service.wait_for_termination()
         if self.loop is not None:
             await self.loop.stop()
+        if self.sinks is not None:  # on the engine thread, after any iteration still running
+            try:
+                await asyncio.wait_for(self.engine_thread.run(self.sinks.close), 5.0)
+            except TimeoutError:  # a wedged step: close here (unclosed sockets block destroy)
+                logger.warning("engine thread busy at stop; closing reply sockets from the loop")
+                self.sinks.close()
         self.engine_thread.shutdown()
         self.request_spans.close()
         if self.kvstore is not None:
@@ -272,19 +281,22 @@ class WorkerRuntime:
             await self.decode.close()
         if self.prefill is not None:
             await self.prefill.close()
-        if self.sinks is not None:
-            self.sinks.close()
         if self.publisher is not None:
             self.publisher.close()
         self._ctx.destroy(linger=0)
         logger.info("worker %s stopped", self.worker_id)
 
-    # ---- engine loop callback ----------------------------------------------------------------
+    # ---- engine loop callbacks ---------------------------------------------------------------
+    def _push(self, step: int, outputs: list[RequestOutput]) -> None:
+        """On the engine thread, right after the step: the new tokens to their requesters.
+        Routes are only touched between steps (engine ops, `_on_iteration`), never during."""
+        if self.sinks is not None:
+            self.sinks.send(step, outputs, self._routes)
+
     async def _on_iteration(self, step: int, outputs: list[RequestOutput]) -> None:
         engine = self.engine
-        if engine is None or self.publisher is None or self.sinks is None:
+        if engine is None or self.publisher is None:
             return
-        to_send: list[RequestOutput] = []
         num_generated = 0
         spans = self.request_spans if len(self.request_spans) else None  # tracing follows some
         started_ns = self.loop.step_started_ns if self.loop is not None else 0
@@ -296,15 +308,12 @@ class WorkerRuntime:
                 spans.on_output(out, started_ns)
             if self.kvstore is not None:
                 self.kvstore.on_output(out)
-            if self.prefill is not None and self.prefill.take(out):
-                continue
-            to_send.append(out)
+            if self.prefill is not None:
+                self.prefill.take(out)  # a prefill-only request's output (it has no route)
         # Read everything needed from the engine before the first await (a step may follow).
         stored, removed = engine.drain_kv_events()
-        done = [o.request_id for o in to_send if o.finished]
+        done = [o.request_id for o in outputs if o.finished]  # pushed already (_push)
         self._update_metrics(num_generated)
-        if to_send:
-            await self.sinks.send(step, to_send, self._routes)
         for rid in done:
             if not engine.has_request(rid):
                 self._routes.pop(rid, None)

@@ -213,6 +213,7 @@ def test_engine_work_runs_on_the_one_engine_thread(loaded, monkeypatch):
     import threading
 
     from llmfleet.services.worker.engine.engine import LLMEngine
+    from llmfleet.services.worker.outputs import ReplySinks
 
     threads: dict[str, set[int]] = {}
     for name in ("__init__", "validate_request", "add_request", "step", "cancel"):
@@ -223,6 +224,14 @@ def test_engine_work_runs_on_the_one_engine_thread(loaded, monkeypatch):
             return _original(self, *a, **kw)
 
         monkeypatch.setattr(LLMEngine, name, recorded)
+    # Token pushes leave from the engine thread too, right after their step (outputs.py).
+    push = ReplySinks.send
+
+    def recorded_push(self, *a, **kw):
+        threads.setdefault("push", set()).add(threading.get_ident())
+        return push(self, *a, **kw)
+
+    monkeypatch.setattr(ReplySinks, "send", recorded_push)
     ids = prompt(loaded, 9)
 
     async def body():
@@ -244,7 +253,7 @@ def test_engine_work_runs_on_the_one_engine_thread(loaded, monkeypatch):
 
     engine_thread = run(body())
     assert engine_thread is not None and engine_thread != threading.get_ident()
-    assert set(threads) == {"__init__", "validate_request", "add_request", "step", "cancel"}
+    assert set(threads) == {"__init__", "validate_request", "add_request", "step", "cancel", "push"}
     assert all(idents == {engine_thread} for idents in threads.values()), threads
 
 
