@@ -145,7 +145,8 @@ def sequence_output_to_pb(out: RequestOutput) -> dataplane_pb2.SequenceOutput:
 
 
 class ReplySinks:
-    """TokenBatch pushes; every method runs on the engine thread (see the module docstring)."""
+    """TokenBatch pushes; every method runs on the engine thread (see the module docstring),
+    except `close` when that thread is still busy at stop (WorkerRuntime.stop)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, worker_id: str) -> None:
         self.ctx = zmq.Context.shadow(ctx.underlying)  # blocking sockets, same context
