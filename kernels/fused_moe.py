@@ -2,7 +2,7 @@
 
     x (T, H) --gate-up--> inter (T*k, I) = silu(x w1_gate^T) * (x w1_up^T)   [one kernel]
              --down-----> y (T*k, H) = routing_weight * inter w2^T           [one kernel]
-             --sum over k--> out (T, H)
+             --sum over k--> out (T, H)           [in the down kernel up to 128 slots]
 
 Layouts (all unit-stride along their last dimension):
     x        (T, H)        float16/bfloat16 hidden states
@@ -37,12 +37,18 @@ import triton.language as tl
 
 from llmfleet.kernels.moe_routing import moe_align_block_size
 from llmfleet.kernels.quant import per_token_quant
+from llmfleet.kernels.triton_utils import ZeroedWorkspace
 
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs" / "fused_moe"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 FP8_DTYPE = torch.float8_e4m3fn
+# Up to this many token slots (T * top_k: decode sizes) the down GEMM's last program per column
+# tile also sums the top-k rows, saving a launch; beyond it a separate sum is cheaper than one
+# program per column tile reading every row.
+FUSED_SUM_MAX_SLOTS = 128
+_COUNTERS = ZeroedWorkspace("fused_moe top-k sum")
 
 
 @triton.jit
@@ -53,9 +59,12 @@ def _moe_gemm_kernel(
     a_scale_ptr,
     b_scale_ptr,
     topk_weights_ptr,
-    sorted_ids_ptr,
-    expert_ids_ptr,
-    num_post_padded_ptr,
+    sorted_ids_ptr,  # unused with SLOT_BLOCKS
+    expert_ids_ptr,  # the block's expert; with SLOT_BLOCKS the flat topk_ids (one per slot)
+    num_post_padded_ptr,  # unused with SLOT_BLOCKS
+    out_ptr,  # (T, H) when SUM_TOPK: out[t] = sum over j of C[t * top_k + j]
+    cnt_ptr,  # int32 arrival counters, one per column tile, zero between calls
+    top_k,
     N,  # output columns (I for gate-up, H for down)
     K,
     num_slots,  # T * k; sorted ids >= num_slots are padding
@@ -68,6 +77,8 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr,  # slot -> A row: k for x (T, H), 1 for inter (T*k, I)
     GATED: tl.constexpr,  # gate-up: C = silu(A Bg^T) * (A Bu^T), Bu rows offset by N
     MUL_WEIGHT: tl.constexpr,  # down: C *= topk_weights[slot]
+    SLOT_BLOCKS: tl.constexpr,  # block b holds slot b alone (no sorted ids: one token)
+    SUM_TOPK: tl.constexpr,  # down: the last program of each column tile sums C's k rows
     FP8: tl.constexpr,  # A, B float8: per-row a_scale, b_scale per expert or channel
     B_SCALE_PER_CHANNEL: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # float32 dot: the CPU interpreter mis-multiplies bfloat16
@@ -84,11 +95,14 @@ def _moe_gemm_kernel(
     group_rows = min(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % num_in_group) % group_rows
     pid_n = (pid % num_in_group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
-
-    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ids_ptr + offs_r)
+    if SLOT_BLOCKS:
+        num_post_padded = max_padded  # num_slots blocks, all in use
+        slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
+    else:
+        num_post_padded = tl.load(num_post_padded_ptr)
+        if pid_m * BLOCK_M >= num_post_padded:
+            return
+        slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     slot_mask = slots < num_slots
     a_rows = tl.where(slot_mask, slots // A_ROW_DIV, 0).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -140,6 +154,38 @@ def _moe_gemm_kernel(
     tl.store(
         c_ptrs, out.to(c_ptr.dtype.element_ty), mask=slot_mask[:, None] & (offs_n < N)[None, :]
     )
+    if SUM_TOPK:
+        _sum_topk_last(c_ptr, out_ptr, cnt_ptr + pid_n, num_post_padded // BLOCK_M, num_slots,
+                       top_k, offs_n, N, stride_cm, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
+def _sum_topk_last(
+    c_ptr, out_ptr, counter, arrivals, num_slots, top_k, offs_n, N, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """After this program's C tile is stored: count it in for its column tile, and if it is the
+    last of the `arrivals` programs there, write out[t] = sum over j of C[t * top_k + j] for
+    every token t (slot order, float32: deterministic) and re-arm the counter. Saves the
+    separate top-k sum launch at decode sizes."""
+    tl.debug_barrier()  # every thread's C stores precede the release below
+    if tl.atomic_add(counter, 1, sem="acq_rel") == arrivals - 1:
+        tl.debug_barrier()
+        n_ok = offs_n < N
+        for t0 in range(0, num_slots // top_k, BLOCK_M):
+            offs_t = t0 + tl.arange(0, BLOCK_M)
+            mask = (offs_t < num_slots // top_k)[:, None] & n_ok[None, :]
+            rows = offs_t[:, None].to(tl.int64) * top_k
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(top_k):
+                part = tl.load(
+                    c_ptr + (rows + j) * stride_cm + offs_n[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg",  # written by other SMs: read at L2
+                )  # fmt: skip
+                acc += part.to(tl.float32)
+            o_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(counter, 0)
 
 
 def _interpreting() -> bool:
@@ -209,19 +255,33 @@ def _launch(
     a_scale: torch.Tensor | None,
     b_scale: torch.Tensor | None,
     topk_weights: torch.Tensor,
-    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | torch.Tensor,
     n: int,
-    top_k_div: int,
+    top_k: int,
     gated: bool,
     per_channel: bool,
     cfg: dict[str, int],
+    out: torch.Tensor | None = None,
 ) -> None:
-    sorted_ids, expert_ids, num_post_padded = align
+    """One grouped GEMM: gate-up (`gated`, A rows = slot // top_k) or down (A rows = slots);
+    given `out`, the down GEMM also sums each token's top_k rows of `c` into it. `align` is
+    moe_align_block_size's result, or the flat topk_ids to give every slot a block of its own
+    (one token: nothing to sort, and its top_k experts are distinct, so no weight is read
+    twice; repeated ids would still sum correctly)."""
     k = a.shape[1]
     bm, bn = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]
-    max_padded = sorted_ids.numel()
+    slot_blocks = isinstance(align, torch.Tensor)
+    if slot_blocks:
+        sorted_ids = expert_ids = num_post_padded = align
+        max_padded = align.numel() * bm
+    else:
+        sorted_ids, expert_ids, num_post_padded = align
+        max_padded = sorted_ids.numel()
     grid = ((max_padded // bm) * triton.cdiv(n, bn),)
     fp8 = b.dtype == FP8_DTYPE
+    counters = c  # unused unless out is given
+    if out is not None:
+        _, counters = _COUNTERS.get(c.device, 0, triton.cdiv(n, bn))
     _moe_gemm_kernel[grid](
         a,
         b,
@@ -232,6 +292,9 @@ def _launch(
         sorted_ids,
         expert_ids,
         num_post_padded,
+        out if out is not None else c,
+        counters,
+        top_k,
         n,
         k,
         topk_weights.numel(),
@@ -241,9 +304,11 @@ def _launch(
         b.stride(1),
         c.stride(0),
         b_scale.stride(0) if fp8 and per_channel else 1,
-        A_ROW_DIV=top_k_div,
+        A_ROW_DIV=top_k if gated else 1,
         GATED=gated,
         MUL_WEIGHT=not gated,
+        SUM_TOPK=out is not None,
+        SLOT_BLOCKS=slot_blocks,
         FP8=fp8,
         B_SCALE_PER_CHANNEL=per_channel,
         UPCAST_DOT=_interpreting() and not fp8,
@@ -297,7 +362,9 @@ def fused_moe(
     cfg = config or get_config(t, e, inter, top_k, "fp8_w8a8" if fp8 else "bf16", x.device)
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
-    align = moe_align_block_size(topk_ids, e, cfg["BLOCK_SIZE_M"])
+    # One token: its slots need no sorting (one block each); the align launches would cost
+    # about as much as a GEMM at this size.
+    align = topk_ids.view(-1) if t == 1 else moe_align_block_size(topk_ids, e, cfg["BLOCK_SIZE_M"])
 
     inter_buf = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     a1, a1_scale = per_token_quant(x, FP8_DTYPE) if fp8 else (x, None)
@@ -305,8 +372,11 @@ def fused_moe(
             per_channel, cfg)  # fmt: skip
     a2, a2_scale = per_token_quant(inter_buf, FP8_DTYPE) if fp8 else (inter_buf, None)
     down = torch.empty((t * top_k, h), dtype=x.dtype, device=x.device)
-    _launch(a2, w2, down, a2_scale, w2_scale, topk_weights, align, h, 1, False, per_channel, cfg)
-    torch.sum(down.view(t, top_k, h), dim=1, out=out)
+    fuse_sum = t * top_k <= FUSED_SUM_MAX_SLOTS
+    _launch(a2, w2, down, a2_scale, w2_scale, topk_weights, align, h, top_k, False, per_channel,
+            cfg, out if fuse_sum else None)  # fmt: skip
+    if not fuse_sum:
+        torch.sum(down.view(t, top_k, h), dim=1, out=out)
     return out
 
 

@@ -40,14 +40,13 @@ calls and one launch does the whole product. Calls sharing a device's workspace 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import interpreting, launchable
+from llmfleet.kernels.triton_utils import ZeroedWorkspace, interpreting, launchable
 
 MAX_M = 16  # the launcher serves M <= MAX_M; larger M takes int4_matmul's tensor-core tiles
 _MAGIC = 0x4B000000  # float32 bits of 2**23: a nibble OR-ed into bits 0..19 stays exact
@@ -262,32 +261,7 @@ def default_gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig:
     return GemvConfig(block_n, block_kp, split, dot, 4, 3 if dot else 1)
 
 
-class _Workspace:
-    """Per-device zeroed float32 workspace and arrival counters, grown on demand (never during
-    CUDA-graph capture: the first call at a size must come before capture)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(
-        self, device: torch.device, numel: int, counters: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._lock:
-            ws, cnt = self._by_device.get(device, (None, None))
-            if ws is None or cnt is None or ws.numel() < numel or cnt.numel() < counters:
-                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError(
-                        "int4 split-K workspace must grow during CUDA-graph capture: "
-                        "run the captured shapes once before capturing"
-                    )
-                ws = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
-                cnt = torch.zeros(max(counters, 1 << 14), dtype=torch.int32, device=device)
-                self._by_device[device] = (ws, cnt)
-            return ws, cnt
-
-
-_WORKSPACE = _Workspace()
+_WORKSPACE = ZeroedWorkspace("int4 split-K")
 
 
 def int4_gemv(

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 SCORING = ("softmax", "sigmoid")
+ONE_PROGRAM_CELLS = 16384  # slots x experts up to which one program sorts all slots
 
 
 @triton.jit
@@ -202,7 +203,16 @@ def _offsets_kernel(
         tl.store(chunk_offsets_ptr + ptrs, running[None, :] + incl - cnt, mask=m)
         running += tl.sum(cnt, axis=0)
 
-    # Padding rows get the out-of-range slot `numel`; the scatter kernel overwrites real ones.
+    _fill_padding(sorted_ids_ptr, expert_ids_ptr, ends, e_mask, numel, max_padded, BLOCK_M,
+                  BLOCK_FILL)  # fmt: skip
+
+
+@triton.jit
+def _fill_padding(
+    sorted_ids_ptr, expert_ids_ptr, ends, e_mask, numel, max_padded,
+    BLOCK_M: tl.constexpr, BLOCK_FILL: tl.constexpr,
+):  # fmt: skip
+    # Padding rows get the out-of-range slot `numel`; the scatter overwrites real ones.
     # Block b belongs to the expert whose [start, end) holds b * BLOCK_M: count experts ending
     # at or before it (empty experts have start == end and are skipped by the count).
     ends_m = tl.where(e_mask, ends, 2147483647)
@@ -214,6 +224,32 @@ def _offsets_kernel(
         row = offs_b * BLOCK_M
         eid = tl.sum((ends_m[None, :] <= row[:, None]).to(tl.int32), axis=1)
         tl.store(expert_ids_ptr + offs_b, eid, mask=offs_b < max_padded // BLOCK_M)
+
+
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, numel, E, max_padded,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_FILL: tl.constexpr,
+):  # fmt: skip
+    # All slots fit one CHUNK: count, offsets and scatter of the three-kernel path in a single
+    # program (a decode step's few slots would otherwise pay for three launches).
+    offs = tl.arange(0, CHUNK)
+    mask = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=mask, other=BLOCK_E)  # BLOCK_E matches no column
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    padded = tl.cdiv(tl.sum(onehot, axis=0), BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
+    _fill_padding(sorted_ids_ptr, expert_ids_ptr, ends, e_mask, numel, max_padded, BLOCK_M,
+                  BLOCK_FILL)  # fmt: skip
+    # Every thread's padding stores land before any slot is written over them.
+    tl.debug_barrier()
+    dest = tl.sum(onehot * (ends - padded)[None, :], axis=1) + rank
+    tl.store(sorted_ids_ptr + dest, offs, mask=mask)
 
 
 @triton.jit
@@ -259,10 +295,18 @@ def moe_align_block_size(
     max_padded = triton.cdiv(max_padded_rows(numel, num_experts, block_m), block_m) * block_m
     sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
     expert_ids = torch.empty((max_padded // block_m,), dtype=torch.int32, device=dev)
-    num_post_padded = torch.zeros((1,), dtype=torch.int32, device=dev)
     if numel == 0:
-        return sorted_ids, expert_ids, num_post_padded
+        return sorted_ids, expert_ids, torch.zeros((1,), dtype=torch.int32, device=dev)
+    num_post_padded = torch.empty((1,), dtype=torch.int32, device=dev)  # the kernels store it
     block_e = triton.next_power_of_2(num_experts)
+    block_fill = max(16, min(1024, 16384 // block_e))
+    if numel <= max(16, ONE_PROGRAM_CELLS // block_e):
+        _align_one_program_kernel[(1,)](
+            topk_ids, sorted_ids, expert_ids, num_post_padded, numel, num_experts, max_padded,
+            BLOCK_M=block_m, CHUNK=max(16, triton.next_power_of_2(numel)), BLOCK_E=block_e,
+            BLOCK_FILL=block_fill, num_warps=4,
+        )  # fmt: skip
+        return sorted_ids, expert_ids, num_post_padded
     chunk = max(16, min(256, 8192 // block_e))
     num_chunks = triton.cdiv(numel, chunk)
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=dev)
@@ -285,7 +329,7 @@ def moe_align_block_size(
         BLOCK_M=block_m,
         BLOCK_C=max(1, min(64, 4096 // block_e)),
         BLOCK_E=block_e,
-        BLOCK_FILL=max(16, min(1024, 16384 // block_e)),
+        BLOCK_FILL=block_fill,
         num_warps=8,
     )
     _scatter_kernel[(num_chunks,)](

@@ -12,6 +12,7 @@ kernel test modules do this on machines without CUDA).
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import triton
@@ -37,6 +38,33 @@ def launchable(kernel: JITFunction | InterpretedFunction) -> JITFunction | Inter
         flavour = InterpretedFunction(kernel.fn) if want_interp else triton.jit(kernel.fn)
         _FLAVOURS[key] = flavour
     return flavour
+
+
+class ZeroedWorkspace:
+    """Per-device float32 scratch and int32 arrival counters, all zeros between kernel calls
+    (the kernels that use them re-arm what they touch), grown on demand but never during
+    CUDA-graph capture: the first call at a size must come before capture."""
+
+    def __init__(self, purpose: str) -> None:
+        self._purpose = purpose
+        self._lock = threading.Lock()
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(
+        self, device: torch.device, numel: int, counters: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            ws, cnt = self._by_device.get(device, (None, None))
+            if ws is None or cnt is None or ws.numel() < numel or cnt.numel() < counters:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        f"{self._purpose} workspace must grow during CUDA-graph capture: "
+                        "run the captured shapes once before capturing"
+                    )
+                ws = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
+                cnt = torch.zeros(max(counters, 1 << 14), dtype=torch.int32, device=device)
+                self._by_device[device] = (ws, cnt)
+            return ws, cnt
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
