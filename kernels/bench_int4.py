@@ -79,17 +79,20 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
     if m == 1:  # (block_n, block_kp, warps, programs per SM), float32 kernel
         shapes = [(64, 16, 4, (4, 7, 12)), (128, 16, 8, (4, 7)), (64, 8, 4, (7, 12))]
     else:  # tensor-core kernel
-        shapes = [(128, 16, 8, (1, 2, 4)), (64, 16, 4, (2, 4)), (128, 16, 4, (2,))]
+        shapes = [(64, 16, 4, (3, 2, 4)), (128, 16, 4, (3, 2)), (64, 32, 4, (3,))]
     out = []
     for bn, bkp, warps, per_sms in shapes:
-        tiles = -(-n // bn)
-        steps = k // 8 // bkp
+        tiles = -(-n // bn) * -(-m // 16)
+        steps = -(-(k // 8) // bkp)
         for per_sm in per_sms if group >= 128 else per_sms[:1]:
-            split = 1
-            while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
-                split *= 2
-            stages = 3 if m > 1 else 1
-            cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, stages)
+            if m == 1:
+                split = 1
+                while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
+                    split *= 2
+            else:  # as default_gemv_config: equal shares of the steps, none empty
+                split = max(1, min(steps, round(per_sm * 132 / tiles)))
+                split = -(-steps // -(-steps // split))
+            cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1)
             if cfg not in out:
                 out.append(cfg)
     return out

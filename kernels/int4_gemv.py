@@ -23,13 +23,18 @@ arithmetic per weight is kept small enough to hide under that read:
 Two kernels: M == 1 multiplies in float32 on the CUDA cores, a (BLOCK_KP, BLOCK_N) accumulator
 reduced over packed rows once at the end, with the next step's words and scales loaded before
 the current step is computed (register double buffering: these loads feed no dot, so Triton's
-pipeliner leaves them alone); 1 < M <= 16 feeds one tensor-core dot per nibble position
-(weights rounded to the activation dtype).
+pipeliner leaves them alone). 1 < M <= 16 runs on the tensor cores with the operands swapped:
+out^T = W^T x^T, so the dequantized (BLOCK_N, 8 BLOCK_KP) weight tile, its eight nibble
+positions joined back into k order in registers, is the dot's first operand (Hopper's wgmma
+reads it from registers) and x^T (8 BLOCK_KP, 16 tokens) the second, loaded contiguously and
+staged through shared memory by the pipeliner.
 
-Measured on an H200 (docs/benchmarks.md): about 5.7 instructions per weight in the M == 1 loop
-(SASS) and 1.5-1.6x the bf16 matmul; the dot kernel stays under the bf16 matmul at M = 16
-because every nibble position's activation slice crosses shared memory (a layout exchange with
-two barriers) on its way into the dot operand.
+Measured (docs/benchmarks.md): the M == 1 loop issues about 5.7 instructions per weight (SASS)
+and runs at 1.5-1.6x the bf16 matmul on an H200, 1.9-2.3x on an H100; the swapped dot kernel
+runs at 1.4-1.8x at M = 4 and 16 on an H100, where the earlier (x as first operand) one ran
+under the bf16 matmul: every nibble position's activation slice crossed shared memory with
+two barriers on its way into the dot. What is left in the swapped kernel is one register
+exchange of the weight tile (through shared memory) into the wgmma operand layout per step.
 
 Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a
 column slice (per-slice arrival counter) reads the sums at L2, writes `out` in the activation
@@ -55,7 +60,7 @@ _MAGIC = 0x4B000000  # float32 bits of 2**23: a nibble OR-ed into bits 0..19 sta
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
-    block_kp: int  # packed rows (8 k each) per loop step; >= 16 for the dot kernel
+    block_kp: int  # packed rows (8 k each) per loop step; >= 2 for the dot kernel (K >= 16)
     split_k: int
     dot: bool  # tensor-core kernel (any M <= 16) or the float32 one (M == 1)
     num_warps: int = 4
@@ -208,57 +213,89 @@ def _int4_gemv_dot_kernel(
     UPCAST_DOT: tl.constexpr,  # float32 dot operands: the CPU interpreter mis-multiplies bf16
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):  # fmt: skip
+    """out^T (BN, BM) += W^T (BN, 8 BKP) @ x^T (8 BKP, BM) per K step: the weights are the
+    dot's first operand, so wgmma reads them from registers, and x^T is loaded straight from
+    memory (contiguous along K: staged through shared memory by the pipeliner)."""
+    BLOCK_K: tl.constexpr = 8 * BLOCK_KP
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)  # clamped: x loads stay in bounds
+    m_ok = offs_m < M
     n_ok = offs_n < N
     offs_p = tl.arange(0, BLOCK_KP)
+    offs_k = tl.arange(0, BLOCK_K)
     kp_total = K // 8
     steps = tl.cdiv(kp_total, BLOCK_KP)
     per_split = tl.cdiv(steps, SPLIT_K)
     step_begin = pid_k * per_split
     step_end = min(step_begin + per_split, steps)
+    dot_ty = x_ptr.dtype.element_ty
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xt_base = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm  # (1, BM): columns of x^T
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # a tile of out^T
     for step in range(step_begin, step_end):
-        words, s, z = _load_step(
-            qw_ptr, scales_ptr, zeros_ptr, step, kp_total, offs_p, offs_n, n_ok, stride_qk,
-            stride_sg, GROUP_SIZE, BLOCK_KP,
-        )  # fmt: skip
-        sf = s.to(tl.float32)
-        zf = z.to(tl.float32)
         p = step * BLOCK_KP + offs_p
-        x_row = x_ptr + rows[:, None] * stride_xm + (p * 8)[None, :]  # (BM, BKP), nibble 0
-        for j in tl.static_range(8):
-            w = _weights(words, sf, zf, magic, j)  # (BKP, BN) float32, k = 8 p + j
-            xj = tl.load(x_row + j, mask=(p < kp_total)[None, :], other=0.0)  # (BM, BKP)
-            if UPCAST_DOT:
-                acc = tl.dot(xj.to(tl.float32), w, acc)
-            else:
-                acc = tl.dot(xj, w.to(x_ptr.dtype.element_ty), acc)
+        w_ok = n_ok[:, None] & (p < kp_total)[None, :]
+        words = tl.load(
+            qw_ptr + p[None, :].to(tl.int64) * stride_qk + offs_n[:, None], mask=w_ok, other=0
+        )  # (BN, BKP)
+        if BLOCK_K > GROUP_SIZE:  # per packed row: group 8 p // G (8 divides G)
+            g_off = ((p * 8) // GROUP_SIZE)[None, :].to(tl.int64) * stride_sg + offs_n[:, None]
+            s = tl.load(scales_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g_off, mask=w_ok, other=0.0).to(tl.float32)
+        else:  # the whole step lies in one group
+            g_off = (step * BLOCK_K) // GROUP_SIZE * stride_sg + offs_n
+            s = tl.load(scales_ptr + g_off, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(zeros_ptr + g_off, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        # Nibble position j of packed row p is k = 8 p + j. Three levels of joins give
+        # element [n, p, a, b, c] = w_{4a + 2b + c}[n, p], so the reshape below puts it in
+        # column 8 p + 4 a + 2 b + c: natural k order, one dot for the whole step.
+        w = tl.join(
+            tl.join(
+                tl.join(_weights(words, s, z, magic, 0), _weights(words, s, z, magic, 4)),
+                tl.join(_weights(words, s, z, magic, 2), _weights(words, s, z, magic, 6)),
+            ),
+            tl.join(
+                tl.join(_weights(words, s, z, magic, 1), _weights(words, s, z, magic, 5)),
+                tl.join(_weights(words, s, z, magic, 3), _weights(words, s, z, magic, 7)),
+            ),
+        )
+        w = tl.reshape(w.to(dot_ty), (BLOCK_N, BLOCK_K))
+        k = step * BLOCK_K + offs_k
+        xt = tl.load(xt_base + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
+        if UPCAST_DOT:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, xt, acc)
     _splitk_store(
-        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n, SPLIT_K
-    )
+        tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_m, pid_n,
+        SPLIT_K,
+    )  # fmt: skip
 
 
 def default_gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig:
-    """Block shape and split for M <= 16: the fastest of the sweep in bench_int4.py on an H200
-    (132 SMs; 4096 x 14336 weights both ways, groups 32 and 128, M = 1, 4, 16). M == 1 takes
-    the float32 kernel with 64-column slices split to about 7 programs per SM; larger M the
-    dot kernel, 128 columns, 4 warps, about 2 programs per SM."""
+    """Block shape and split for M <= 16, the fastest of sweeps over 4096 x 14336 weights
+    both ways, groups 32 and 128, on 132-SM parts. M == 1 takes the float32 kernel with
+    64-column slices split to about 7 programs per SM (bench_int4.py, H200). Larger M takes
+    the tensor-core kernel: 64 columns (128 for groups of 32, whose per-row scales make
+    narrow tiles dearer), 16 packed rows per step, 4 warps, 3 stages, split to about 3
+    programs per SM (H100)."""
     if m == 1:
-        block_n, block_kp, per_sm, dot = 64, 16, 7, False
-    else:
-        block_n, block_kp, per_sm, dot = 128, 16, 2, True
-    tiles = triton.cdiv(n, block_n)
+        block_n, block_kp, per_sm = 64, 16, 7
+        tiles = triton.cdiv(n, block_n)
+        steps = triton.cdiv(k // 8, block_kp)
+        split = 1
+        while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
+            split *= 2
+        return GemvConfig(block_n, block_kp, split, False, 4, 1)
+    block_n, block_kp = (128 if group_size < 64 else 64), 16
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 16)
     steps = triton.cdiv(k // 8, block_kp)
-    split = 1
-    while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
-        split *= 2
-    return GemvConfig(block_n, block_kp, split, dot, 4, 3 if dot else 1)
+    split = max(1, min(steps, round(3 * 132 / tiles)))
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # equal shares, none empty
+    return GemvConfig(block_n, block_kp, split, True, 4, 3)
 
 
 _WORKSPACE = ZeroedWorkspace("int4 split-K")
@@ -279,8 +316,8 @@ def int4_gemv(
     if m > MAX_M:
         raise ValueError(f"int4_gemv serves M <= {MAX_M}, got M={m}")
     cfg = config or default_gemv_config(m, n, k, group_size)
-    if cfg.dot and cfg.block_kp < 16:
-        raise ValueError(f"block_kp={cfg.block_kp} is too small for a dot (>= 16)")
+    if cfg.dot and cfg.block_kp < 2:
+        raise ValueError(f"block_kp={cfg.block_kp} is too small for a dot (>= 2: K >= 16)")
     if not cfg.dot and m > 1:
         raise ValueError(f"the float32 kernel serves M == 1, got M={m}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -201,6 +201,9 @@ def test_int4_matmul(by_load, dtype, m, n, k, group, block_k, split) -> None:
         (3, 40, 256, 64, 32, 16, 1, True),
         (5, 24, 384, 128, 16, 16, 2, True),  # the last step is partial (48 packed rows)
         (16, 48, 512, 32, 32, 16, 3, True),
+        (7, 40, 128, 128, 32, 4, 2, True),  # the step inside one group: scales per column
+        (2, 56, 192, 64, 64, 2, 5, True),  # 16 k per step; 12 steps in shares of 3: one empty
+        (1, 40, 128, 32, 32, 2, 1, True),  # the tensor-core kernel also serves M == 1
     ],
 )
 def test_int4_gemv(dtype, m, n, k, group, block_n, block_kp, split, dot) -> None:
