@@ -76,8 +76,9 @@ def check(run, weights, m: int, k: int, dtype: torch.dtype, group: int) -> float
 def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
     """A few block shapes of the kernel that serves M, each split to about the given numbers
     of programs per SM of a 132-SM part (fewer for groups under 128: a second look)."""
-    if m == 1:  # (block_n, block_kp, warps, programs per SM), float32 kernel
-        shapes = [(64, 16, 4, (4, 7, 12)), (128, 16, 8, (4, 7)), (64, 8, 4, (7, 12))]
+    if m == 1:  # (block_n, block_kp, warps, programs per SM), CUDA-core kernel
+        shapes = [(64, 16, 4, (7, 4, 12)), (64, 32, 4, (7,)), (128, 16, 8, (4, 7))]
+        shapes.append((64, 8, 4, (7,)))
     else:  # tensor-core kernel
         shapes = [(64, 16, 4, (3, 2, 4)), (128, 16, 4, (3, 2)), (64, 32, 4, (3,))]
     out = []
@@ -92,9 +93,10 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
             else:  # as default_gemv_config: equal shares of the steps, none empty
                 split = max(1, min(steps, round(per_sm * 132 / tiles)))
                 split = -(-steps // -(-steps // split))
-            cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1)
-            if cfg not in out:
-                out.append(cfg)
+            for packed in (True, False) if m == 1 else (False,):  # bf16x2 or float32 products
+                cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1, packed)
+                if cfg not in out:
+                    out.append(cfg)
     return out
 
 

@@ -20,21 +20,26 @@ arithmetic per weight is kept small enough to hide under that read:
   that w gets before a dot, and about 2e-4 relative in float32 (measured against the float32
   reference: 1e-5 .. 3e-4).
 
-Two kernels: M == 1 multiplies in float32 on the CUDA cores, a (BLOCK_KP, BLOCK_N) accumulator
-reduced over packed rows once at the end, with the next step's words and scales loaded before
-the current step is computed (register double buffering: these loads feed no dot, so Triton's
-pipeliner leaves them alone). 1 < M <= 16 runs on the tensor cores with the operands swapped:
-out^T = W^T x^T, so the dequantized (BLOCK_N, 8 BLOCK_KP) weight tile, its eight nibble
-positions joined back into k order in registers, is the dot's first operand (Hopper's wgmma
-reads it from registers) and x^T (8 BLOCK_KP, 16 tokens) the second, loaded contiguously and
-staged through shared memory by the pipeliner.
+Two kernels: M == 1 runs on the CUDA cores, a (BLOCK_KP, BLOCK_N) float32 accumulator reduced
+over packed rows once at the end, with the next step's words and scales loaded before the
+current step is computed (register double buffering: these loads feed no dot, so Triton's
+pipeliner leaves them alone). For bfloat16 activations on NVIDIA GPUs the products of a word
+are formed two at a time in bf16x2 registers by a few lines of PTX (`_BF16X2_DOT8`: about two
+instructions per weight) and their sum is scaled in float32, W x = s sum(q x) - z sum(x);
+otherwise each weight is dequantized in float32 as above. 1 < M <= 16 runs on the tensor
+cores with the operands swapped: out^T = W^T x^T, so the dequantized (BLOCK_N, 8 BLOCK_KP)
+weight tile, its eight nibble positions joined back into k order in registers, is the dot's
+first operand (Hopper's wgmma reads it from registers) and x^T (8 BLOCK_KP, 16 tokens) the
+second, loaded contiguously and staged through shared memory by the pipeliner.
 
-Measured (docs/benchmarks.md): the M == 1 loop issues about 5.7 instructions per weight (SASS)
-and runs at 1.5-1.6x the bf16 matmul on an H200, 1.9-2.3x on an H100; the swapped dot kernel
-runs at 1.4-1.8x at M = 4 and 16 on an H100, where the earlier (x as first operand) one ran
-under the bf16 matmul: every nibble position's activation slice crossed shared memory with
-two barriers on its way into the dot. What is left in the swapped kernel is one register
-exchange of the weight tile (through shared memory) into the wgmma operand layout per step.
+Measured (docs/benchmarks.md): the float32 M == 1 loop issues about 5.7 instructions per weight
+(SASS) and runs at 1.5-1.6x the bf16 matmul on an H200, 1.9-2.3x on an H100; the bf16x2 one
+at 2.4-2.9x on an H100 (relative error 4e-3 against the float32 reference, from the bf16
+rounding of the products). The swapped dot kernel runs at 1.4-1.8x at M = 4 and 16 on an
+H100, where the earlier one (x as the first operand) ran under the bf16 matmul: every nibble
+position's activation slice crossed shared memory with two barriers on its way into the dot.
+What is left in the swapped kernel is one exchange of the weight tile through shared memory
+into the wgmma operand layout per step.
 
 Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a
 column slice (per-slice arrival counter) reads the sums at L2, writes `out` in the activation
@@ -45,6 +50,7 @@ calls and one launch does the whole product. Calls sharing a device's workspace 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +71,7 @@ class GemvConfig:
     dot: bool  # tensor-core kernel (any M <= 16) or the float32 one (M == 1)
     num_warps: int = 4
     num_stages: int = 1  # Triton's pipelining; the FMA kernel double-buffers by itself
+    packed: bool = False  # M == 1, bf16: bf16x2 products (_BF16X2_DOT8) instead of float32
 
 
 @triton.jit
@@ -145,6 +152,68 @@ def _splitk_store(
             tl.store(counter, 0)
 
 
+# One packed word (8 nibbles, k = 8 p + j) times its 8 bf16 activations, with bf16x2 math:
+# $1 the word, $2..$5 the activation pairs (x[8 p + j] low, x[8 p + j + 4] high) for j = 0..3.
+# (word >> 4 j) & 0x000F000F puts nibbles j and j + 4 in the two halves; OR-ed into 0x4300
+# (bf16 128.0) each half is 128 + q exactly; one FMA (v * 1 - 128) gives q, exact; one FMA
+# accumulates q * x, rounded to bf16 (8 bits) per product and per sum of four. The two
+# halves then leave as one float32 (their sum). Two instructions per weight plus a shift per
+# pair, where the float32 path spends about 5.7.
+_BF16X2_DOT8 = tl.constexpr(
+    """{
+.reg .b32 t, v, q, a, one, off, m, c;
+mov.b32 one, 0x3F803F80;
+mov.b32 off, 0xC300C300;
+mov.b32 m, 0x000F000F;
+mov.b32 c, 0x43004300;
+mov.b32 a, 0;
+lop3.b32 v, $1, m, c, 0xEA;
+fma.rn.bf16x2 q, v, one, off;
+fma.rn.bf16x2 a, q, $2, a;
+shr.u32 t, $1, 4;
+lop3.b32 v, t, m, c, 0xEA;
+fma.rn.bf16x2 q, v, one, off;
+fma.rn.bf16x2 a, q, $3, a;
+shr.u32 t, $1, 8;
+lop3.b32 v, t, m, c, 0xEA;
+fma.rn.bf16x2 q, v, one, off;
+fma.rn.bf16x2 a, q, $4, a;
+shr.u32 t, $1, 12;
+lop3.b32 v, t, m, c, 0xEA;
+fma.rn.bf16x2 q, v, one, off;
+fma.rn.bf16x2 a, q, $5, a;
+shl.b32 t, a, 16;
+and.b32 a, a, 0xFFFF0000;
+add.f32 $0, t, a;
+}"""
+)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """float32 value of the bf16 held in the low 16 bits of int32 v."""
+    return (v << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot8_bf16x2(words, pairs0, pairs1, pairs2, pairs3, USE_ASM: tl.constexpr):
+    """sum over j of q_j * x_j for each packed word (see _BF16X2_DOT8). Without PTX (the CPU
+    interpreter) the same sum in float32."""
+    if USE_ASM:
+        bits = tl.inline_asm_elementwise(
+            _BF16X2_DOT8, "=r,r,r,r,r,r", [words, pairs0, pairs1, pairs2, pairs3],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+        return bits.to(tl.float32, bitcast=True)
+    total = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(4):
+        pairs = pairs0 if j == 0 else pairs1 if j == 1 else pairs2 if j == 2 else pairs3
+        q_lo = ((words >> (4 * j)) & 0xF).to(tl.float32)
+        q_hi = ((words >> (4 * j + 16)) & 0xF).to(tl.float32)
+        total += q_lo * _bf16_bits(pairs) + q_hi * _bf16_bits(pairs >> 16)
+    return total
+
+
 @triton.jit
 def _int4_gemv_fma_kernel(
     x_ptr,  # x (1, K) viewed as int32 (1, K // 2): word h of x holds k = 2h (low), 2h + 1
@@ -153,6 +222,8 @@ def _int4_gemv_fma_kernel(
     stride_sg,  # elements between group rows of scales and zeros (K // G, N); unit stride along N
     magic,
     GROUP_SIZE: tl.constexpr, SPLIT_K: tl.constexpr, X_BF16: tl.constexpr,
+    PACKED: tl.constexpr,  # bf16 x: products in bf16x2 (see _BF16X2_DOT8), sums in float32
+    USE_ASM: tl.constexpr,  # PACKED through inline PTX (False: the interpreter's emulation)
     BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -182,17 +253,40 @@ def _int4_gemv_fma_kernel(
         p_ok = p < kp_total
         sf = s.to(tl.float32)
         zf = z.to(tl.float32)
-        for h in tl.static_range(4):  # x[8 p + 2 h] and x[8 p + 2 h + 1] in one 32-bit load
-            xw = tl.load(x_ptr + p * 4 + h, mask=p_ok, other=0)  # (BKP,) int32
-            if X_BF16:
-                x_lo = (xw << 16).to(tl.float32, bitcast=True)
-                x_hi = (xw & -65536).to(tl.float32, bitcast=True)
-            else:
-                x_lo = (xw & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                x_hi = (xw >> 16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-                x_hi = x_hi.to(tl.float32)
-            acc += x_lo[:, None] * _weights(words, sf, zf, magic, 2 * h)
-            acc += x_hi[:, None] * _weights(words, sf, zf, magic, 2 * h + 1)
+        if PACKED:
+            # W x over a word = s sum(q x) - z sum(x): the q x sum in bf16x2, the rest here.
+            xw0 = tl.load(x_ptr + p * 4, mask=p_ok, other=0)  # x[8p] low, x[8p + 1] high
+            xw1 = tl.load(x_ptr + p * 4 + 1, mask=p_ok, other=0)
+            xw2 = tl.load(x_ptr + p * 4 + 2, mask=p_ok, other=0)
+            xw3 = tl.load(x_ptr + p * 4 + 3, mask=p_ok, other=0)
+            low = 65535
+            part = _dot8_bf16x2(
+                words,
+                ((xw0 & low) | (xw2 << 16))[:, None],  # x[8p + 0], x[8p + 4]
+                (((xw0 >> 16) & low) | (xw2 & -65536))[:, None],  # x[8p + 1], x[8p + 5]
+                ((xw1 & low) | (xw3 << 16))[:, None],  # x[8p + 2], x[8p + 6]
+                (((xw1 >> 16) & low) | (xw3 & -65536))[:, None],  # x[8p + 3], x[8p + 7]
+                USE_ASM,
+            )  # fmt: skip
+            xsum = (
+                _bf16_bits(xw0) + (xw0 & -65536).to(tl.float32, bitcast=True)
+                + _bf16_bits(xw1) + (xw1 & -65536).to(tl.float32, bitcast=True)
+                + _bf16_bits(xw2) + (xw2 & -65536).to(tl.float32, bitcast=True)
+                + _bf16_bits(xw3) + (xw3 & -65536).to(tl.float32, bitcast=True)
+            )  # fmt: skip
+            acc += sf * part - zf * xsum[:, None]
+        else:
+            for h in tl.static_range(4):  # x[8p + 2h], x[8p + 2h + 1] in one 32-bit load
+                xw = tl.load(x_ptr + p * 4 + h, mask=p_ok, other=0)  # (BKP,) int32
+                if X_BF16:
+                    x_lo = (xw << 16).to(tl.float32, bitcast=True)
+                    x_hi = (xw & -65536).to(tl.float32, bitcast=True)
+                else:
+                    x_lo = (xw & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                    x_hi = (xw >> 16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+                    x_hi = x_hi.to(tl.float32)
+                acc += x_lo[:, None] * _weights(words, sf, zf, magic, 2 * h)
+                acc += x_hi[:, None] * _weights(words, sf, zf, magic, 2 * h + 1)
         words, s, z = nxt_words, nxt_s, nxt_z
         step += 1
     total = tl.sum(acc, axis=0)[None, :]  # (1, BN)
@@ -275,21 +369,25 @@ def _int4_gemv_dot_kernel(
     )  # fmt: skip
 
 
-def default_gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig:
+def default_gemv_config(
+    m: int, n: int, k: int, group_size: int, dtype: torch.dtype = torch.bfloat16
+) -> GemvConfig:
     """Block shape and split for M <= 16, the fastest of sweeps over 4096 x 14336 weights
-    both ways, groups 32 and 128, on 132-SM parts. M == 1 takes the float32 kernel with
-    64-column slices split to about 7 programs per SM (bench_int4.py, H200). Larger M takes
+    both ways, groups 32 and 128, on 132-SM parts. M == 1 takes the CUDA-core kernel with
+    64-column slices split to about 7 programs per SM: for bfloat16 with bf16x2 products and
+    32 packed rows per step on long K (H100), else in float32 with 16 (H200). Larger M takes
     the tensor-core kernel: 64 columns (128 for groups of 32, whose per-row scales make
     narrow tiles dearer), 16 packed rows per step, 4 warps, 3 stages, split to about 3
     programs per SM (H100)."""
     if m == 1:
-        block_n, block_kp, per_sm = 64, 16, 7
+        packed = dtype == torch.bfloat16 and packed_products_supported()
+        block_n, block_kp, per_sm = 64, (32 if packed and k >= 8192 else 16), 7
         tiles = triton.cdiv(n, block_n)
         steps = triton.cdiv(k // 8, block_kp)
         split = 1
         while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
             split *= 2
-        return GemvConfig(block_n, block_kp, split, False, 4, 1)
+        return GemvConfig(block_n, block_kp, split, False, 4, 1, packed)
     block_n, block_kp = (128 if group_size < 64 else 64), 16
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 16)
     steps = triton.cdiv(k // 8, block_kp)
@@ -299,6 +397,19 @@ def default_gemv_config(m: int, n: int, k: int, group_size: int) -> GemvConfig:
 
 
 _WORKSPACE = ZeroedWorkspace("int4 split-K")
+
+
+def packed_products_supported() -> bool:
+    """bf16x2 products take inline PTX (`fma.rn.bf16x2`, sm_80 on): NVIDIA GPUs from Ampere
+    on, or the CPU interpreter (which runs the kernel's float32 emulation of them)."""
+    return interpreting() or _nvidia_sm80()
+
+
+@functools.lru_cache(maxsize=1)
+def _nvidia_sm80() -> bool:
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def int4_gemv(
@@ -315,7 +426,9 @@ def int4_gemv(
     n = qweight.shape[1]
     if m > MAX_M:
         raise ValueError(f"int4_gemv serves M <= {MAX_M}, got M={m}")
-    cfg = config or default_gemv_config(m, n, k, group_size)
+    cfg = config or default_gemv_config(m, n, k, group_size, x.dtype)
+    if cfg.packed and x.dtype == torch.bfloat16 and not packed_products_supported():
+        raise ValueError("packed bf16x2 products need an NVIDIA GPU of sm_80 or later")
     if cfg.dot and cfg.block_kp < 2:
         raise ValueError(f"block_kp={cfg.block_kp} is too small for a dot (>= 2: K >= 16)")
     if not cfg.dot and m > 1:
@@ -334,6 +447,7 @@ def int4_gemv(
         launchable(_int4_gemv_fma_kernel)[(grid[0], grid[2])](
             xw, *common, n, k, qweight.stride(0), scales.stride(0), _MAGIC,
             GROUP_SIZE=group_size, SPLIT_K=cfg.split_k, X_BF16=x.dtype == torch.bfloat16,
+            PACKED=cfg.packed and x.dtype == torch.bfloat16, USE_ASM=not interpreting(),
             **sizes, **launch,
         )  # fmt: skip
     else:

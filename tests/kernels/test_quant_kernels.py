@@ -221,6 +221,23 @@ def test_int4_gemv(dtype, m, n, k, group, block_n, block_kp, split, dot) -> None
     assert ws.abs().max().item() == 0 and counters.abs().max().item() == 0
 
 
+@pytest.mark.parametrize(
+    "n,k,group,block_n,block_kp,split",
+    [(40, 128, 32, 32, 4, 1), (72, 512, 128, 64, 4, 3), (33, 96, 32, 16, 8, 4)],
+)
+def test_int4_gemv_packed_bf16(n, k, group, block_n, block_kp, split) -> None:
+    """M == 1 with bf16x2 products (on the CPU the kernel's float32 emulation of them): same
+    indexing, masks, splits and workspace re-arming as the float32 path."""
+    qweight, scales, zeros, _ = _random_int4(k, n, group, torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    cfg = gv.GemvConfig(block_n, block_kp, split, False, packed=True)
+    out = gv.int4_gemv(x, qweight, scales, zeros, group, config=cfg)
+    exact = x.float() @ ip.dequantize_int4(qweight, scales, zeros, group)
+    assert rel_err(out, exact) < 1e-2
+    ws, counters = gv._WORKSPACE.get(torch.device(DEV), 0, 0)
+    assert ws.abs().max().item() == 0 and counters.abs().max().item() == 0
+
+
 def test_int4_matmul_small_m_takes_the_decode_kernel() -> None:
     qweight, scales, zeros, _ = _random_int4(256, 24, 64, torch.bfloat16)
     for m in (1, 2):
