@@ -169,6 +169,9 @@ class EngineLoop:
                 self.engine.abort(rid)
             return [], None
         seconds = time.perf_counter() - started
+        # Recorded before the tokens leave, so a client that saw a step's tokens also finds
+        # the step in the metrics (and the engine's counters are read on their own thread).
+        self._metrics.on_step(seconds, self.engine.last_step_cost)
         if outputs and self._on_step is not None:
             try:
                 self._on_step(self.num_steps + 1, outputs)  # the number `_run` gives this step
@@ -189,7 +192,6 @@ class EngineLoop:
             outputs, seconds = await asyncio.shield(done)
             if seconds is not None:
                 self.num_steps += 1
-                self._metrics.on_step(seconds, self.engine.last_step_cost)
             if ops or seconds is not None:
                 try:
                     await self._on_iteration(self.num_steps, outputs)
