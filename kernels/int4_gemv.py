@@ -159,34 +159,26 @@ def _splitk_store(
 # accumulates q * x, rounded to bf16 (8 bits) per product and per sum of four. The two
 # halves then leave as one float32 (their sum). Two instructions per weight plus a shift per
 # pair, where the float32 path spends about 5.7.
-_BF16X2_DOT8 = tl.constexpr(
-    """{
-.reg .b32 t, v, q, a, one, off, m, c;
-mov.b32 one, 0x3F803F80;
-mov.b32 off, 0xC300C300;
-mov.b32 m, 0x000F000F;
-mov.b32 c, 0x43004300;
-mov.b32 a, 0;
-lop3.b32 v, $1, m, c, 0xEA;
-fma.rn.bf16x2 q, v, one, off;
-fma.rn.bf16x2 a, q, $2, a;
-shr.u32 t, $1, 4;
-lop3.b32 v, t, m, c, 0xEA;
-fma.rn.bf16x2 q, v, one, off;
-fma.rn.bf16x2 a, q, $3, a;
-shr.u32 t, $1, 8;
-lop3.b32 v, t, m, c, 0xEA;
-fma.rn.bf16x2 q, v, one, off;
-fma.rn.bf16x2 a, q, $4, a;
-shr.u32 t, $1, 12;
-lop3.b32 v, t, m, c, 0xEA;
-fma.rn.bf16x2 q, v, one, off;
-fma.rn.bf16x2 a, q, $5, a;
-shl.b32 t, a, 16;
-and.b32 a, a, 0xFFFF0000;
-add.f32 $0, t, a;
-}"""
-)
+def _bf16x2_dot8_ptx() -> str:
+    pairs = []
+    for j in range(4):  # nibbles j and j + 4 of $1 against the activation pair in $(2 + j)
+        shift = f"shr.u32 t, $1, {4 * j};\n" if j else ""
+        src = "t" if j else "$1"
+        pairs.append(
+            f"{shift}lop3.b32 v, {src}, m, c, 0xEA;\n"
+            "fma.rn.bf16x2 q, v, one, off;\n"
+            f"fma.rn.bf16x2 a, q, ${2 + j}, a;\n"
+        )
+    return (
+        "{\n.reg .b32 t, v, q, a, one, off, m, c;\n"
+        "mov.b32 one, 0x3F803F80;\nmov.b32 off, 0xC300C300;\n"
+        "mov.b32 m, 0x000F000F;\nmov.b32 c, 0x43004300;\nmov.b32 a, 0;\n"
+        + "".join(pairs)
+        + "shl.b32 t, a, 16;\nand.b32 a, a, 0xFFFF0000;\nadd.f32 $0, t, a;\n}"
+    )
+
+
+_BF16X2_DOT8 = tl.constexpr(_bf16x2_dot8_ptx())
 
 
 @triton.jit
