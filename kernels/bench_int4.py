@@ -83,16 +83,8 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
         shapes = [(64, 16, 4, (3, 2, 4)), (128, 16, 4, (3, 2)), (64, 32, 4, (3,))]
     out = []
     for bn, bkp, warps, per_sms in shapes:
-        tiles = -(-n // bn) * -(-m // 16)
-        steps = -(-(k // 8) // bkp)
         for per_sm in per_sms if group >= 128 else per_sms[:1]:
-            if m == 1:
-                split = 1
-                while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
-                    split *= 2
-            else:  # as default_gemv_config: equal shares of the steps, none empty
-                split = max(1, min(steps, round(per_sm * 132 / tiles)))
-                split = -(-steps // -(-steps // split))
+            split = gv.split_k(m, n, k, bn, bkp, per_sm)
             for packed in (True, False) if m == 1 else (False,):  # bf16x2 or float32 products
                 cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1, packed)
                 if cfg not in out:

@@ -373,19 +373,26 @@ def default_gemv_config(
     programs per SM (H100)."""
     if m == 1:
         packed = dtype == torch.bfloat16 and packed_products_supported()
-        block_n, block_kp, per_sm = 64, (32 if packed and k >= 8192 else 16), 7
+        block_kp = 32 if packed and k >= 8192 else 16
+        return GemvConfig(64, block_kp, split_k(m, n, k, 64, block_kp, 7), False, 4, 1, packed)
+    block_n = 128 if group_size < 64 else 64
+    return GemvConfig(block_n, 16, split_k(m, n, k, block_n, 16, 3), True, 4, 3)
+
+
+def split_k(m: int, n: int, k: int, block_n: int, block_kp: int, per_sm: float) -> int:
+    """The K split that brings the grid to about `per_sm` programs per SM of a 132-SM part:
+    for M == 1 the largest power of two not past it (the float32 and bf16x2 kernels were
+    swept that way), for the dot kernel the nearest count, evened out so no split is empty."""
+    steps = triton.cdiv(k // 8, block_kp)
+    if m == 1:
         tiles = triton.cdiv(n, block_n)
-        steps = triton.cdiv(k // 8, block_kp)
         split = 1
         while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
             split *= 2
-        return GemvConfig(block_n, block_kp, split, False, 4, 1, packed)
-    block_n, block_kp = (128 if group_size < 64 else 64), 16
+        return split
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 16)
-    steps = triton.cdiv(k // 8, block_kp)
-    split = max(1, min(steps, round(3 * 132 / tiles)))
-    split = triton.cdiv(steps, triton.cdiv(steps, split))  # equal shares, none empty
-    return GemvConfig(block_n, block_kp, split, True, 4, 3)
+    split = max(1, min(steps, round(per_sm * 132 / tiles)))
+    return triton.cdiv(steps, triton.cdiv(steps, split))  # equal shares, none empty
 
 
 _WORKSPACE = ZeroedWorkspace("int4 split-K")

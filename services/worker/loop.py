@@ -13,10 +13,11 @@ threads sleep and wake (futex) around nearly every op. Steps on a pool thread af
 was built on the main thread measured about 385 voluntary context switches per decoded token
 against 0 with a single thread, and ITL grew from 36 ms to 80 ms on 2 cores.
 
-Right after each step, still on the engine thread, `on_step` gets the step's outputs, so the
-worker pushes the new tokens before the event loop even wakes. After every iteration that did
-something (ops applied and/or a step run), `on_iteration` gets the same outputs (empty when no
-step ran) on the event loop, for everything else (KV events, spans, prefill waiters, metrics).
+Right after each step, still on the engine thread, the step's metrics are recorded and then
+`on_step` gets its outputs, so the worker pushes the new tokens before the event loop even
+wakes. After every iteration that did something (ops applied and/or a step run),
+`on_iteration` gets the same outputs (empty when no step ran) on the event loop, for
+everything else (KV events, spans, prefill waiters, request metrics).
 With no work and no queued op the loop waits on an event (no polling).
 
 On CPU, a step takes every core; after a step that gave a request its first token the loop
