@@ -22,6 +22,7 @@ import triton
 
 from llmfleet.kernels import int4_gemv as gv
 from llmfleet.kernels import int4_matmul as i4
+from llmfleet.kernels import int4_mma as mma
 from llmfleet.kernels import int4_pack as ip
 
 ROTATE_BYTES = 200 << 20  # more than twice the L2 of an H100/H200
@@ -73,9 +74,10 @@ def check(run, weights, m: int, k: int, dtype: torch.dtype, group: int) -> float
     return worst
 
 
-def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
-    """A few block shapes of the kernel that serves M, each split to about the given numbers
-    of programs per SM of a 132-SM part (fewer for groups under 128: a second look)."""
+def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | mma.MmaConfig]:
+    """A few block shapes of the kernels that serve M, each split to about the given numbers
+    of programs per SM of a 132-SM part (fewer for groups under 128: a second look); for
+    M > 1 also the Gluon mma.sync kernel's shapes where it runs."""
     if m == 1:  # (block_n, block_kp, warps, programs per SM), CUDA-core kernel
         shapes = [(64, 16, 4, (7, 4, 12)), (64, 32, 4, (7,)), (128, 16, 8, (4, 7))]
         shapes.append((64, 8, 4, (7,)))
@@ -89,6 +91,10 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig]:
                 cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1, packed)
                 if cfg not in out:
                     out.append(cfg)
+    if m > 1 and mma.mma_supported(torch.bfloat16):  # (warps, rep, blocks, programs per SM)
+        for warps, rep, blocks, per_sm in [(4, 2, 4, 4), (4, 2, 2, 4), (2, 2, 4, 8), (4, 1, 4, 4)]:
+            split = mma.split_k(n, k, 16 * warps * rep, blocks, per_sm)
+            out.append(mma.MmaConfig(warps, rep, blocks, split))
     return out
 
 
@@ -169,7 +175,9 @@ def main() -> None:
                     emit(f"  skip {name}: {type(exc).__name__}: {str(exc)[:80]}")
                     continue
                 row(name, us, err)
-                if isinstance(cfg, gv.GemvConfig) and (best is None or us < best[0]):
+                if isinstance(cfg, (gv.GemvConfig, mma.MmaConfig)) and (
+                    best is None or us < best[0]
+                ):
                     best = (us, name)
             if m in (1, 16):  # float16 activations through the default path
                 qh, sh, zh = (t.half() if t.is_floating_point() else t for t in copies[0])

@@ -41,6 +41,10 @@ position's activation slice crossed shared memory with two barriers on its way i
 What is left in the swapped kernel is one exchange of the weight tile through shared memory
 into the wgmma operand layout per step.
 
+On NVIDIA GPUs from sm_80 on, 1 < M <= 16 runs `int4_mma` instead (a Gluon kernel whose
+weight registers are the tensor-core operand as loaded, no shared memory: 1.4-1.7x faster than
+the swapped dot kernel at M = 4); the dot kernel stays for other GPUs and the CPU interpreter.
+
 Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a
 column slice (per-slice arrival counter) reads the sums at L2, writes `out` in the activation
 dtype and zeroes the slice's sums and its counter. The workspace is therefore all zeros between
@@ -57,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmfleet.kernels.int4_mma import MmaConfig, int4_mma, mma_supported
 from llmfleet.kernels.triton_utils import ZeroedWorkspace, interpreting, launchable
 
 MAX_M = 16  # the launcher serves M <= MAX_M; larger M takes int4_matmul's tensor-core tiles
@@ -417,14 +422,19 @@ def int4_gemv(
     scales: torch.Tensor,  # (K // G, N) x.dtype
     zeros: torch.Tensor,  # (K // G, N) x.dtype
     group_size: int,
-    config: GemvConfig | None = None,
+    config: GemvConfig | MmaConfig | None = None,
 ) -> torch.Tensor:
     """out (M, N) = x @ W for M <= 16. `int4_matmul` validates the layouts and calls this for
-    small M; direct callers pass the same checked tensors."""
+    small M; direct callers pass the same checked tensors. By default 1 < M runs `int4_mma`
+    (Gluon, mma.sync, no shared memory) where it is supported, the dot kernel here otherwise."""
     m, k = x.shape
     n = qweight.shape[1]
     if m > MAX_M:
         raise ValueError(f"int4_gemv serves M <= {MAX_M}, got M={m}")
+    if isinstance(config, MmaConfig) or (config is None and m > 1 and mma_supported(x.dtype)):
+        if not mma_supported(x.dtype):
+            raise ValueError("int4_mma needs Gluon and an NVIDIA GPU of sm_80 or later")
+        return int4_mma(x, qweight, scales, zeros, group_size, _WORKSPACE, config)
     cfg = config or default_gemv_config(m, n, k, group_size, x.dtype)
     if cfg.packed and x.dtype == torch.bfloat16 and not packed_products_supported():
         raise ValueError("packed bf16x2 products need an NVIDIA GPU of sm_80 or later")

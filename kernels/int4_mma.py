@@ -1,0 +1,341 @@
+"""INT4 weight-only GEMM for 1 < M <= 16 on mma.sync, written in Gluon: no shared memory at all.
+
+Same function and layouts as `int4_matmul`:
+
+    x (M, K) fp16/bf16 · W (K, N), W[k, n] = q[k, n] * scales[k // G, n] - zeros[k // G, n],
+    q packed 8 per int32 along K in qweight (K // 8, N), nibble j of word i = row 8 i + j.
+
+Computed as out^T (N, M) = W^T (N, K) x^T (K, M) with m16n8k16 tensor-core instructions whose
+first operand, a 16 x 16 tile of W^T, is held in registers: lane (g, t) = (lane // 4, lane % 4)
+holds rows g, g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-column chunk. A dot
+product does not care in which order its k terms come, so the kernel gives the instruction a
+*permuted* k (and n) order chosen so that a lane's operand registers are exactly the nibbles of
+the words it loaded itself; x^T is loaded in the same permuted order. Nothing crosses lanes or
+shared memory on the way from a 16-byte load of packed words to the tensor core:
+
+    k order the instruction sees, per block of 32:  L = 16 ch + 8 h8 + 2 t + odd
+    real k of that slot:                            8 t + 4 odd + 2 ch + h8
+                                                    (word t of the block, nibble 4 odd + 2 ch + h8)
+
+so lane t of a block owns word t, and the nibble pair (i, i + 4) of a word (i = 2 ch + h8) is
+one 32-bit operand register: `(word >> 4 i) & 0x000F000F | 0x43004300` is (128 + q_i, 128 +
+q_{i+4}) as bf16x2 (0x6400: 1024 + q as f16x2), then two packed FMAs give q s - z (`_DEQUANT`,
+inline PTX). Rows are permuted the same way, so a lane loads 2 REP consecutive columns n of a
+packed row in one vector load:
+
+    real n = 16 REP w + 2 REP g + 2 rep + h    for warp w, lane row g, repeat rep, half h
+    row of the instruction tile = 16 WARPS rep + 16 w + 8 h + g
+
+The tensors are built in a blocked-by-hand linear layout and turned into the operand layouts by
+joins, reshapes and permutes that Gluon proves to be register renamings (`assert_trivial`).
+The next K step's words, scales and x are loaded before the current step is computed (register
+double buffering). Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last
+arriving program writes `out` and re-arms the workspace).
+
+Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (3.6 and 3.9 checked); `int4_gemv`
+serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in 15.5-19.1 us on a
+4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and 41-45 us for the
+bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # Gluon is experimental: a Triton without it leaves this path off
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+from llmfleet.kernels.triton_utils import interpreting
+
+MAX_M = 16
+
+
+def _dequant_ptx(fp16: bool) -> str:
+    """$8 a packed word, $9 its scale s, $10 its zero z (16-bit) -> $0..$7 the weights q s - z
+    of nibbles 0..7, nibble i and i + 4 formed together in one 32-bit register pair."""
+    magic, one, off, fma = (
+        ("0x64006400", "0x3C003C00", "0xE400E400", "fma.rn.f16x2")  # 1024.0, 1.0, -1024.0
+        if fp16
+        else ("0x43004300", "0x3F803F80", "0xC300C300", "fma.rn.bf16x2")  # 128.0, 1.0, -128.0
+    )
+    body = []
+    for i in range(4):
+        src = "$8"
+        if i:
+            body.append(f"shr.u32 t, $8, {4 * i};")
+            src = "t"
+        body += [
+            f"lop3.b32 v, {src}, m, c, 0xEA;",  # (src & m) | c: 16-bit halves magic + q
+            f"{fma} q, v, one, off;",  # q, exact
+            f"{fma} w, q, s2, nz2;",  # q s - z, rounded once
+            f"mov.b32 {{${i}, ${i + 4}}}, w;",
+        ]
+    return (
+        "{\n.reg .b32 t, v, q, w, m, c, one, off, s2, nz2;\n.reg .b16 nz;\n"
+        f"mov.b32 m, 0x000F000F;\nmov.b32 c, {magic};\nmov.b32 one, {one};\n"
+        f"mov.b32 off, {off};\nmov.b32 s2, {{$9, $9}};\nxor.b16 nz, $10, 0x8000;\n"
+        "mov.b32 nz2, {nz, nz};\n" + "\n".join(body) + "\n}"
+    )
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    warps: int  # warps per program, stacked along N
+    rep: int  # 16-row tiles per warp (1 or 2): each lane loads 2 rep consecutive columns
+    blocks: int  # blocks of 32 k per step (a power of two)
+    split_k: int
+
+    def __post_init__(self) -> None:
+        if self.warps not in (1, 2, 4, 8) or self.rep not in (1, 2):
+            raise ValueError(f"warps must be 1, 2, 4 or 8 and rep 1 or 2, got {self}")
+        if self.blocks not in (1, 2, 4, 8) or self.split_k < 1:
+            raise ValueError(f"blocks must be 1, 2, 4 or 8 and split_k >= 1, got {self}")
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.warps * self.rep
+
+
+if HAVE_GLUON:
+    _DEQUANT_BF16 = gl.constexpr(_dequant_ptx(False))
+    _DEQUANT_F16 = gl.constexpr(_dequant_ptx(True))
+    _DEQUANT_IO = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")  # 8 weights <- word, s, z
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after triton 3.6
+
+    @gluon.constexpr_function
+    def _words_layout(warps, rep, blocks):
+        """(BLOCK_N, 4 BLOCKS) packed words; lane (g, t) holds word t of every block for the
+        2 REP consecutive columns 2 REP g .. of its warp's 16 REP."""
+        regs = [[1, 0]] + ([[2, 0]] if rep == 2 else [])
+        regs += [[0, 4 << i] for i in range(int(math.log2(blocks)))]
+        lanes = [[0, 1], [0, 2]] + [[2 * rep << i, 0] for i in range(3)]
+        warp_bases = [[16 * rep << i, 0] for i in range(int(math.log2(warps)))]
+        return gl.DistributedLinearLayout(
+            regs, lanes, warp_bases, [], [16 * warps * rep, 4 * blocks]
+        )
+
+    @gluon.constexpr_function
+    def _x_layout(warps, block_m, blocks):
+        """(BLOCK_M, 32 BLOCKS) activations; lane (g, t) holds the 8 consecutive k of word t of
+        every block for rows g (and g + 8); every warp holds the whole tile."""
+        regs = [[0, 1], [0, 2], [0, 4]] + [[0, 32 << i] for i in range(int(math.log2(blocks)))]
+        regs += [[8, 0]] if block_m == 16 else []
+        lanes = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+        warp_bases = [[0, 0] for _ in range(int(math.log2(warps)))]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [block_m, 32 * blocks])
+
+    @gluon.jit
+    def _weights_operand(words, s, z, a_layout: gl.constexpr, FP16: gl.constexpr,
+                         WARPS: gl.constexpr, REP: gl.constexpr, BLOCKS: gl.constexpr):  # fmt: skip
+        """(BN, 4 BLOCKS) words -> the (BN, 32 BLOCKS) first operand, rows and k permuted."""
+        args = [words, s.to(gl.int16, bitcast=True), z.to(gl.int16, bitcast=True)]
+        if FP16:
+            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+                _DEQUANT_F16, _DEQUANT_IO, args, dtype=(gl.int16,) * 8, is_pure=True, pack=1
+            )
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+                _DEQUANT_BF16, _DEQUANT_IO, args, dtype=(gl.int16,) * 8, is_pure=True, pack=1
+            )
+        # [..., odd, ch, h8] = nibble 4 odd + 2 ch + h8
+        t = gl.join(
+            gl.join(gl.join(o0, o4), gl.join(o2, o6)), gl.join(gl.join(o1, o5), gl.join(o3, o7))
+        )
+        # (w, g, rep, h) real columns, (b, t) words, (odd, ch, h8) nibbles
+        t = t.reshape([WARPS, 8, REP, 2, BLOCKS, 4, 2, 2, 2])
+        t = t.permute([2, 0, 3, 1, 4, 7, 8, 5, 6])  # -> rows (rep, w, h, g), k (b, ch, h8, t, odd)
+        t = t.reshape([16 * WARPS * REP, 32 * BLOCKS])
+        w = gl.convert_layout(t, a_layout, assert_trivial=True)
+        return w.to(gl.float16 if FP16 else gl.bfloat16, bitcast=True)
+
+    @gluon.jit
+    def _x_operand(xt, b_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCKS: gl.constexpr):
+        """(BLOCK_M, 32 BLOCKS) x -> the (32 BLOCKS, BLOCK_M) second operand, k permuted."""
+        t = xt.reshape([BLOCK_M // 8, 8, BLOCKS, 4, 2, 2, 2])  # (mt, g) rows, (b, t, odd, ch, h8)
+        t = t.permute([2, 5, 6, 3, 4, 0, 1])
+        t = t.reshape([32 * BLOCKS, BLOCK_M])
+        return gl.convert_layout(t, b_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _load_step(
+        x_ptr, qw_ptr, s_ptr, z_ptr, step, limit, offs_n, n_ok, offs_c, offs_xm, xm_ok, offs_xk,
+        stride_xm, stride_qk, stride_sg,
+        GROUP_SIZE: gl.constexpr, BKW: gl.constexpr,
+    ):  # fmt: skip
+        """Words, scales, zeros and x of one K step; packed rows from `limit` on read as zeros
+        with zero scales (so they dequantize to 0, not to -z)."""
+        c = step * BKW + offs_c
+        ok = n_ok[:, None] & (c < limit)[None, :]
+        words = gl.load(
+            qw_ptr + c[None, :].to(gl.int64) * stride_qk + offs_n[:, None], mask=ok, other=0
+        )
+        if GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
+            g_off = ((step * BKW * 8) // GROUP_SIZE) * stride_sg + offs_n
+            v_ok = n_ok & (step * BKW < limit)
+            s, _ = gl.broadcast(gl.load(s_ptr + g_off, mask=v_ok, other=0.0)[:, None], words)
+            z, _ = gl.broadcast(gl.load(z_ptr + g_off, mask=v_ok, other=0.0)[:, None], words)
+        else:
+            g_off = ((c * 8) // GROUP_SIZE)[None, :].to(gl.int64) * stride_sg + offs_n[:, None]
+            s = gl.load(s_ptr + g_off, mask=ok, other=0.0)
+            z = gl.load(z_ptr + g_off, mask=ok, other=0.0)
+        k = step * BKW * 8 + offs_xk
+        xt = gl.load(
+            x_ptr + offs_xm[:, None].to(gl.int64) * stride_xm + k[None, :],
+            mask=xm_ok[:, None] & (k < limit * 8)[None, :],
+            other=0.0,
+        )
+        return words, s, z, xt
+
+    @gluon.jit
+    def _int4_mma_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+        stride_xm,  # elements between rows of x (M, K); unit stride along K
+        stride_qk,  # int32 words between packed rows of qweight (K // 8, N); unit stride along N
+        stride_sg,  # elements between group rows of scales, zeros (K // G, N); unit stride along N
+        stride_om,  # elements between rows of out (M, N); unit stride along N
+        GROUP_SIZE: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+        FP16: gl.constexpr, WARPS: gl.constexpr, REP: gl.constexpr, BLOCKS: gl.constexpr,
+    ):  # fmt: skip
+        BN: gl.constexpr = 16 * WARPS * REP
+        BKW: gl.constexpr = 4 * BLOCKS
+        wl: gl.constexpr = _words_layout(WARPS, REP, BLOCKS)
+        xl: gl.constexpr = _x_layout(WARPS, BLOCK_M, BLOCKS)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+        )
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, wl))  # real columns
+        offs_c = gl.arange(0, BKW, layout=gl.SliceLayout(0, wl))
+        n_ok = offs_n < N
+        offs_xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl))
+        offs_xk = gl.arange(0, 8 * BKW, layout=gl.SliceLayout(0, xl))
+        xm_ok = offs_xm < M
+        kp_total = K // 8
+        steps = gl.cdiv(kp_total, BKW)
+        per_split = gl.cdiv(steps, SPLIT_K)
+        step_begin = pid_k * per_split
+        step_end = gl.minimum(step_begin + per_split, steps)
+        limit = gl.minimum(step_end * BKW, kp_total)  # this program's packed rows end here
+
+        acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)  # out^T, rows permuted
+        words, s, z, xt = _load_step(
+            x_ptr, qw_ptr, s_ptr, z_ptr, step_begin, limit, offs_n, n_ok, offs_c, offs_xm, xm_ok,
+            offs_xk, stride_xm, stride_qk, stride_sg, GROUP_SIZE, BKW,
+        )  # fmt: skip
+        for step in range(step_begin, step_end):
+            nxt_words, nxt_s, nxt_z, nxt_x = _load_step(
+                x_ptr, qw_ptr, s_ptr, z_ptr, step + 1, limit, offs_n, n_ok, offs_c, offs_xm,
+                xm_ok, offs_xk, stride_xm, stride_qk, stride_sg, GROUP_SIZE, BKW,
+            )  # fmt: skip
+            a = _weights_operand(words, s, z, a_l, FP16, WARPS, REP, BLOCKS)
+            acc = mma_v2(a, _x_operand(xt, b_l, BLOCK_M, BLOCKS), acc)
+            words, s, z, xt = nxt_words, nxt_s, nxt_z, nxt_x
+
+        row = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))  # tile row -> real column
+        n = (pid_n * BN + (row // 16) % WARPS * (16 * REP) + (row % 8) * (2 * REP)
+             + (row // (16 * WARPS)) * 2 + (row // 8) % 2)  # fmt: skip
+        m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        o_mask = (m[None, :] < M) & (n[:, None] < N)
+        o_off = m[None, :].to(gl.int64) * stride_om + n[:, None]
+        if SPLIT_K == 1:
+            gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            ws_off = m[None, :].to(gl.int64) * N + n[:, None]
+            gl.atomic_add(ws_ptr + ws_off, acc, mask=o_mask, sem="relaxed")
+            _barrier()  # every thread's adds are issued before the counter's release
+            counter = cnt_ptr + pid_n
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last split of this column tile
+                _barrier()
+                zero = gl.zeros_like(acc)
+                total = gl.atomic_add(ws_ptr + ws_off, zero, mask=o_mask, sem="relaxed")
+                gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+                gl.store(ws_ptr + ws_off, zero, mask=o_mask)
+                gl.store(counter, 0)
+
+
+def mma_supported(dtype: torch.dtype) -> bool:
+    """Whether `int4_mma` runs here: Gluon, an NVIDIA GPU of sm_80 or later (mma.sync with
+    bf16, packed bf16 FMAs), fp16/bf16 activations, and not the CPU interpreter."""
+    return (
+        HAVE_GLUON
+        and dtype in (torch.float16, torch.bfloat16)
+        and not interpreting()
+        and _nvidia_sm80()
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _nvidia_sm80() -> bool:
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+def default_mma_config(m: int, n: int, k: int, group_size: int) -> MmaConfig:
+    """The fastest of the sweeps on an H100 over 4096 x 14336 weights both ways, groups 32 and
+    128 (docs/benchmarks.md). Up to 8 rows: 4 warps of 2 row tiles, split to about 4 programs
+    per SM, 128 k per step (64 for groups under 128, whose per-word scales cost registers).
+    9-16 rows: 2 warps of 2 row tiles at 8 programs per SM for groups of 128 and more, else 4
+    warps of one row tile at 4."""
+    if m <= 8:
+        warps, rep, blocks, per_sm = 4, 2, 4 if group_size >= 128 else 2, 4
+    elif group_size >= 128:
+        warps, rep, blocks, per_sm = 2, 2, 4, 8
+    else:
+        warps, rep, blocks, per_sm = 4, 1, 4, 4
+    return MmaConfig(warps, rep, blocks, split_k(n, k, 16 * warps * rep, blocks, per_sm))
+
+
+def split_k(n: int, k: int, block_n: int, blocks: int, per_sm: float) -> int:
+    """The K split that brings the grid to about `per_sm` programs per SM of a 132-SM part,
+    evened out so no split is empty."""
+    steps = triton.cdiv(k // 8, 4 * blocks)
+    split = max(1, min(steps, round(per_sm * 132 / triton.cdiv(n, block_n))))
+    return triton.cdiv(steps, triton.cdiv(steps, split))
+
+
+def int4_mma(
+    x: torch.Tensor,  # (M, K) fp16/bf16, 1 <= M <= 16, unit stride along K
+    qweight: torch.Tensor,  # (K // 8, N) int32
+    scales: torch.Tensor,  # (K // G, N) x.dtype
+    zeros: torch.Tensor,  # (K // G, N) x.dtype
+    group_size: int,
+    workspace,  # int4_gemv's ZeroedWorkspace: float32 sums and arrival counters, all zero
+    config: MmaConfig | None = None,
+) -> torch.Tensor:
+    """out (M, N) = x @ W. Callers (`int4_gemv`) pass tensors `int4_matmul` has checked and
+    run this only where `mma_supported(x.dtype)`."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if m > MAX_M:
+        raise ValueError(f"int4_mma serves M <= {MAX_M}, got M={m}")
+    cfg = config or default_mma_config(m, n, k, group_size)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    tiles = triton.cdiv(n, cfg.block_n)
+    ws, cnt = workspace.get(x.device, m * n, tiles)
+    _int4_mma_kernel[(tiles, cfg.split_k)](
+        x, qweight, scales, zeros, out, ws, cnt, m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, SPLIT_K=cfg.split_k, BLOCK_M=8 if m <= 8 else 16,
+        FP16=x.dtype == torch.float16, WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks,
+        num_warps=cfg.warps,
+    )  # fmt: skip
+    return out

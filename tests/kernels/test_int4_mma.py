@@ -1,0 +1,164 @@
+"""The Gluon INT4 kernel (`int4_mma`): compiled for sm_90 on any machine, run on a GPU.
+
+Gluon kernels do not run in Triton's CPU interpreter, so CI compiles them instead (Triton
+bundles ptxas): compilation proves that every layout conversion from loaded words to the
+tensor-core operands is a register renaming (`assert_trivial`), and the PTX shows that no
+shared memory is touched and the packed words are read 16 bytes at a time. The arithmetic is
+checked against the float32 reference on the GPU (`@pytest.mark.gpu`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+if not torch.cuda.is_available():  # the other kernels of these modules run interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+from llmfleet.kernels import int4_gemv as gv  # noqa: E402
+from llmfleet.kernels import int4_matmul as i4  # noqa: E402
+from llmfleet.kernels import int4_mma as mma  # noqa: E402
+from llmfleet.kernels import int4_pack as ip  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not mma.HAVE_GLUON, reason="this Triton has no Gluon")
+
+SIGNATURE = {
+    "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+    "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+    "stride_xm": "i32", "stride_qk": "i32", "stride_sg": "i32", "stride_om": "i32",
+}  # fmt: skip
+
+
+def _compile_sm90(fp16: bool, block_m: int, group: int, cfg: mma.MmaConfig):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    dt = "fp16" if fp16 else "bf16"
+    sig = {name: ty.replace("bf16", dt) for name, ty in SIGNATURE.items()}
+    # 16-divisible pointers, sizes and strides, as a launch on aligned tensors specializes
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13)}
+    constexprs = dict(
+        GROUP_SIZE=group, SPLIT_K=cfg.split_k, BLOCK_M=block_m, FP16=fp16, WARPS=cfg.warps,
+        REP=cfg.rep, BLOCKS=cfg.blocks,
+    )  # fmt: skip
+    src = GluonASTSource(mma._int4_mma_kernel, sig, constexprs, aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "fp16,m,group,split",
+    [
+        (False, 4, 128, 1),
+        (False, 16, 128, 3),
+        (True, 8, 32, 1),
+        (False, 12, 32, 2),
+        (True, 2, 64, 1),
+    ],
+)
+def test_int4_mma_compiles_to_register_only_operands(fp16, m, group, split) -> None:
+    """Every default shape compiles for sm_90 (the operand conversions are proven trivial),
+    runs on m16n8k16 tensor-core instructions, reads the words 16 bytes at a time and uses no
+    shared memory (with split-K, a few bytes for the arrival count's broadcast)."""
+    cfg = mma.default_mma_config(m, 4096, 14336, group)
+    cfg = mma.MmaConfig(cfg.warps, cfg.rep, cfg.blocks, split)
+    kernel = _compile_sm90(fp16, 8 if m <= 8 else 16, group, cfg)
+    ptx = kernel.asm["ptx"]
+    kind = "f16" if fp16 else "bf16"
+    assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{kind}\.{kind}\.f32", ptx)
+    assert f"fma.rn.{kind}x2" in ptx
+    if split == 1:
+        assert "ld.shared" not in ptx and "st.shared" not in ptx
+        assert kernel.metadata.shared == 0
+    else:  # only the split-K epilogue's broadcast of the arrival count
+        assert kernel.metadata.shared <= 16
+    if cfg.rep == 2:
+        assert re.search(r"ld\.global(\.[a-z]+)*\.v4\.b32", ptx)
+
+
+def test_mma_config_validation_and_defaults() -> None:
+    with pytest.raises(ValueError, match="rep"):
+        mma.MmaConfig(4, 3, 4, 1)
+    with pytest.raises(ValueError, match="blocks"):
+        mma.MmaConfig(4, 2, 3, 1)
+    with pytest.raises(ValueError, match="split_k"):
+        mma.MmaConfig(4, 2, 4, 0)
+    assert mma.default_mma_config(4, 4096, 14336, 128) == mma.MmaConfig(4, 2, 4, 16)
+    assert mma.default_mma_config(16, 4096, 14336, 128).block_n == 64
+    for n, k in [(4096, 14336), (14336, 4096), (40, 128)]:
+        for m in (2, 9):
+            cfg = mma.default_mma_config(m, n, k, 32)
+            steps = triton.cdiv(k // 8, 4 * cfg.blocks)
+            share = triton.cdiv(steps, cfg.split_k)
+            assert (cfg.split_k - 1) * share < steps  # no split without work
+
+
+def test_int4_gemv_refuses_mma_config_where_it_cannot_run() -> None:
+    if mma.mma_supported(torch.bfloat16):
+        pytest.skip("this machine runs int4_mma")
+    qweight = torch.zeros(16, 24, dtype=torch.int32)
+    scales = torch.ones(1, 24, dtype=torch.bfloat16)
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sm_80"):
+        gv.int4_gemv(x, qweight, scales, scales, 128, config=mma.MmaConfig(4, 2, 4, 1))
+
+
+def _random_int4(k: int, n: int, group: int, dtype: torch.dtype):
+    q = torch.randint(0, 16, (k, n), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(k // group, n, device="cuda") * 0.02 + 0.002).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), device="cuda").float() * scales.float()
+    return ip.pack_int4(q), scales, zeros.to(dtype)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output (unwritten elements)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,group,cfg",
+    [
+        (2, 4136, 4096, 128, None),  # ragged N (a partial column tile)
+        (3, 72, 4192, 32, None),  # K not a multiple of a step: a partial last step
+        (5, 33, 1024, 64, mma.MmaConfig(4, 2, 2, 7)),  # odd N: scalar loads; uneven splits
+        (8, 14336, 4096, 128, None),
+        (9, 4096, 14336, 32, None),
+        (16, 4096, 14336, 128, None),
+        (16, 1000, 2048, 128, mma.MmaConfig(2, 1, 1, 3)),  # 32 k per step, one row tile
+        (7, 512, 512, 256, mma.MmaConfig(8, 2, 8, 1)),  # a whole step per group, no split
+        (4, 256, 4096, 32, mma.MmaConfig(1, 2, 4, 64)),  # one warp; more splits than SMs
+    ],
+)
+def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
+    """Against the float32 reference on fresh data, twice (split-K sums meet by atomics: a
+    race would show as a moving error), with the workspace back to zeros afterwards."""
+    torch.manual_seed(m * 1000 + n)
+    qweight, scales, zeros = _random_int4(k, n, group, dtype)
+    for _ in range(2):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        ref = ip.int4_matmul_ref(x, qweight, scales, zeros, group)
+        out = gv.int4_gemv(x, qweight, scales, zeros, group, config=cfg)
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert _rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-2)
+    ws, counters = gv._WORKSPACE.get(torch.device("cuda"), 0, 0)
+    assert ws.abs().max().item() == 0 and counters.abs().max().item() == 0
+
+
+@pytest.mark.gpu
+def test_int4_matmul_takes_int4_mma_for_small_batches() -> None:
+    """The default path for 1 < M <= 16 is the Gluon kernel, and a strided x (a view of a
+    wider batch) gives the same result as a contiguous one."""
+    assert mma.mma_supported(torch.bfloat16)
+    qweight, scales, zeros = _random_int4(2048, 512, 128, torch.bfloat16)
+    wide = torch.randn(6, 4096, device="cuda", dtype=torch.bfloat16)
+    x = wide[:, :2048]
+    out = i4.int4_matmul(x, qweight, scales, zeros, 128)
+    torch.testing.assert_close(out, i4.int4_matmul(x.contiguous(), qweight, scales, zeros, 128))
+    assert _rel_err(out, ip.int4_matmul_ref(x, qweight, scales, zeros, 128)) < 1e-2
