@@ -42,7 +42,7 @@ What is left in the swapped kernel is one exchange of the weight tile through sh
 into the wgmma operand layout per step.
 
 On NVIDIA GPUs from sm_80 on, 1 < M <= 16 runs `int4_mma` instead (a Gluon kernel whose
-weight registers are the tensor-core operand as loaded, no shared memory: 1.4-1.7x faster than
+weight registers are the tensor-core operand as loaded, no shared memory: 1.4-1.6x faster than
 the swapped dot kernel at M = 4); the dot kernel stays for other GPUs and the CPU interpreter.
 
 Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a

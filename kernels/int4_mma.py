@@ -32,10 +32,10 @@ The next K step's words, scales and x are loaded before the current step is comp
 double buffering). Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last
 arriving program writes `out` and re-arms the workspace).
 
-Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (3.6 and 3.9 checked); `int4_gemv`
-serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in 15.5-19.1 us on a
-4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and 41-45 us for the
-bf16 matmul.
+Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
+`int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
+15.4-19.0 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
+41-45 us for the bf16 matmul; M = 16 in 22.7-28.3 us, latency-bound at 16 warps per SM.
 """
 
 from __future__ import annotations
