@@ -19,14 +19,14 @@ shared memory on the way from a 16-byte load of packed words to the tensor core:
 
 so lane t of a block owns word t, and the nibble pair (i, i + 4) of a word (i = 2 ch + h8) is
 one 32-bit operand register: `(word >> 4 i) & 0x000F000F | 0x43004300` is (128 + q_i, 128 +
-q_{i+4}) as bf16x2 (0x6400: 1024 + q as f16x2), then two packed FMAs give q s - z (`_DEQUANT`,
+q_{i+4}) as bf16x2 (0x6400: 1024 + q as f16x2), then two packed FMAs give q s - z (`_dequant_ptx`,
 inline PTX). Rows are permuted the same way, so a lane loads 2 REP consecutive columns n of a
 packed row in one vector load:
 
     real n = 16 REP w + 2 REP g + 2 rep + h    for warp w, lane row g, repeat rep, half h
     row of the instruction tile = 16 WARPS rep + 16 w + 8 h + g
 
-The tensors are built in a blocked-by-hand linear layout and turned into the operand layouts by
+The tensors are loaded in hand-written linear layouts and turned into the operand layouts by
 joins, reshapes and permutes that Gluon proves to be register renamings (`assert_trivial`).
 The next K step's words, scales and x are loaded before the current step is computed (register
 double buffering). Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last
