@@ -54,7 +54,6 @@ calls and one launch does the whole product. Calls sharing a device's workspace 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +61,13 @@ import triton
 import triton.language as tl
 
 from llmfleet.kernels.int4_mma import MmaConfig, int4_mma, mma_supported
-from llmfleet.kernels.triton_utils import ZeroedWorkspace, interpreting, launchable
+from llmfleet.kernels.triton_utils import (
+    ZeroedWorkspace,
+    even_split,
+    interpreting,
+    launchable,
+    nvidia_sm80,
+)
 
 MAX_M = 16  # the launcher serves M <= MAX_M; larger M takes int4_matmul's tensor-core tiles
 _MAGIC = 0x4B000000  # float32 bits of 2**23: a nibble OR-ed into bits 0..19 stays exact
@@ -395,9 +400,7 @@ def split_k(m: int, n: int, k: int, block_n: int, block_kp: int, per_sm: float) 
         while tiles * split * 2 <= per_sm * 132 and split * 2 <= steps:
             split *= 2
         return split
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 16)
-    split = max(1, min(steps, round(per_sm * 132 / tiles)))
-    return triton.cdiv(steps, triton.cdiv(steps, split))  # equal shares, none empty
+    return even_split(steps, triton.cdiv(n, block_n) * triton.cdiv(m, 16), per_sm)
 
 
 _WORKSPACE = ZeroedWorkspace("int4 split-K")
@@ -406,14 +409,7 @@ _WORKSPACE = ZeroedWorkspace("int4 split-K")
 def packed_products_supported() -> bool:
     """bf16x2 products take inline PTX (`fma.rn.bf16x2`, sm_80 on): NVIDIA GPUs from Ampere
     on, or the CPU interpreter (which runs the kernel's float32 emulation of them)."""
-    return interpreting() or _nvidia_sm80()
-
-
-@functools.lru_cache(maxsize=1)
-def _nvidia_sm80() -> bool:
-    if torch.version.hip is not None or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability() >= (8, 0)
+    return interpreting() or nvidia_sm80()
 
 
 def int4_gemv(

@@ -40,7 +40,6 @@ Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compile
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -56,7 +55,7 @@ try:  # Gluon is experimental: a Triton without it leaves this path off
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from llmfleet.kernels.triton_utils import interpreting
+from llmfleet.kernels.triton_utils import even_split, interpreting, nvidia_sm80
 
 MAX_M = 16
 
@@ -276,15 +275,8 @@ def mma_supported(dtype: torch.dtype) -> bool:
         HAVE_GLUON
         and dtype in (torch.float16, torch.bfloat16)
         and not interpreting()
-        and _nvidia_sm80()
+        and nvidia_sm80()
     )
-
-
-@functools.lru_cache(maxsize=1)
-def _nvidia_sm80() -> bool:
-    if torch.version.hip is not None or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def default_mma_config(m: int, n: int, k: int, group_size: int) -> MmaConfig:
@@ -305,9 +297,7 @@ def default_mma_config(m: int, n: int, k: int, group_size: int) -> MmaConfig:
 def split_k(n: int, k: int, block_n: int, blocks: int, per_sm: float) -> int:
     """The K split that brings the grid to about `per_sm` programs per SM of a 132-SM part,
     evened out so no split is empty."""
-    steps = triton.cdiv(k // 8, 4 * blocks)
-    split = max(1, min(steps, round(per_sm * 132 / triton.cdiv(n, block_n))))
-    return triton.cdiv(steps, triton.cdiv(steps, split))
+    return even_split(triton.cdiv(k // 8, 4 * blocks), triton.cdiv(n, block_n), per_sm)
 
 
 def int4_mma(

@@ -11,6 +11,7 @@ kernel test modules do this on machines without CUDA).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -25,6 +26,21 @@ _FLAVOURS: dict[tuple[int, bool], object] = {}
 def interpreting() -> bool:
     """True when TRITON_INTERPRET is set now (not when the kernel module was imported)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@functools.lru_cache(maxsize=1)
+def nvidia_sm80() -> bool:
+    """The current device is an NVIDIA GPU of compute capability 8.0 or later."""
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+def even_split(steps: int, tiles: int, per_sm: float) -> int:
+    """The K split (of `steps` steps) that brings `tiles` column tiles to about `per_sm`
+    programs per SM of a 132-SM part, evened out so that no split is left without work."""
+    split = max(1, min(steps, round(per_sm * 132 / tiles)))
+    return triton.cdiv(steps, triton.cdiv(steps, split))
 
 
 def launchable(kernel: JITFunction | InterpretedFunction) -> JITFunction | InterpretedFunction:
