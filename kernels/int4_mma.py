@@ -55,7 +55,7 @@ try:  # Gluon is experimental: a Triton without it leaves this path off
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from llmfleet.kernels.triton_utils import even_split, interpreting, nvidia_sm80
+from llmfleet.kernels.triton_utils import ZeroedWorkspace, even_split, interpreting, nvidia_sm80
 
 MAX_M = 16
 
@@ -306,7 +306,7 @@ def int4_mma(
     scales: torch.Tensor,  # (K // G, N) x.dtype
     zeros: torch.Tensor,  # (K // G, N) x.dtype
     group_size: int,
-    workspace,  # int4_gemv's ZeroedWorkspace: float32 sums and arrival counters, all zero
+    workspace: ZeroedWorkspace,  # int4_gemv's: float32 sums and arrival counters, all zero
     config: MmaConfig | None = None,
 ) -> torch.Tensor:
     """out (M, N) = x @ W. Callers (`int4_gemv`) pass tensors `int4_matmul` has checked and

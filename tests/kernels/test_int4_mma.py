@@ -98,9 +98,10 @@ def test_mma_config_validation_and_defaults() -> None:
             assert (cfg.split_k - 1) * share < steps  # no split without work
 
 
-def test_int4_gemv_refuses_mma_config_where_it_cannot_run() -> None:
-    if mma.mma_supported(torch.bfloat16):
-        pytest.skip("this machine runs int4_mma")
+def test_int4_gemv_refuses_mma_config_where_it_cannot_run(monkeypatch) -> None:
+    """An explicit MmaConfig where the Gluon kernel cannot run (here: the CPU, or a GPU made to
+    look unsupported) is a clear error, not a silent fallback to another kernel."""
+    monkeypatch.setattr(gv, "mma_supported", lambda dtype: False)
     qweight = torch.zeros(16, 24, dtype=torch.int32)
     scales = torch.ones(1, 24, dtype=torch.bfloat16)
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
