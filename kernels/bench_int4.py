@@ -24,6 +24,7 @@ from llmfleet.kernels import int4_gemv as gv
 from llmfleet.kernels import int4_matmul as i4
 from llmfleet.kernels import int4_mma as mma
 from llmfleet.kernels import int4_pack as ip
+from llmfleet.kernels.triton_utils import even_split
 
 ROTATE_BYTES = 200 << 20  # more than twice the L2 of an H100/H200
 
@@ -91,10 +92,12 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | 
                 cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1, packed)
                 if cfg not in out:
                     out.append(cfg)
-    if m > 1 and mma.mma_supported(torch.bfloat16):  # (warps, rep, blocks, programs per SM)
-        for warps, rep, blocks, per_sm in [(4, 2, 4, 4), (4, 2, 2, 4), (2, 2, 4, 8), (4, 1, 4, 4)]:
-            split = mma.split_k(n, k, 16 * warps * rep, blocks, per_sm)
-            out.append(mma.MmaConfig(warps, rep, blocks, split))
+    if m > 1 and mma.mma_supported(torch.bfloat16):  # Gluon mma.sync: (warps, rep, blocks)
+        for warps, rep, blocks in [(2, 2, 4), (4, 2, 4), (4, 1, 4), (4, 2, 2)]:
+            out.append(mma.MmaConfig(warps, rep, blocks))  # split: one wave of what fits
+        steps, tiles = triton.cdiv(k // 8, 16), triton.cdiv(n, 64)
+        for per_sm in (4, 8):  # the earlier rule: a fixed number of programs per SM
+            out.append(mma.MmaConfig(2, 2, 4, even_split(steps, tiles, per_sm)))
     return out
 
 

@@ -55,7 +55,7 @@ try:  # Gluon is experimental: a Triton without it leaves this path off
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from llmfleet.kernels.triton_utils import ZeroedWorkspace, even_split, interpreting, nvidia_sm80
+from llmfleet.kernels.triton_utils import ZeroedWorkspace, interpreting, nvidia_sm80, wave_split
 
 MAX_M = 16
 
@@ -93,13 +93,13 @@ class MmaConfig:
     warps: int  # warps per program, stacked along N
     rep: int  # 16-row tiles per warp (1 or 2): each lane loads 2 rep consecutive columns
     blocks: int  # blocks of 32 k per step (a power of two)
-    split_k: int
+    split_k: int = 0  # 0: chosen per call so the grid is one wave of the programs that fit
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8) or self.rep not in (1, 2):
             raise ValueError(f"warps must be 1, 2, 4 or 8 and rep 1 or 2, got {self}")
-        if self.blocks not in (1, 2, 4, 8) or self.split_k < 1:
-            raise ValueError(f"blocks must be 1, 2, 4 or 8 and split_k >= 1, got {self}")
+        if self.blocks not in (1, 2, 4, 8) or self.split_k < 0:
+            raise ValueError(f"blocks must be 1, 2, 4 or 8 and split_k >= 0, got {self}")
 
     @property
     def block_n(self) -> int:
@@ -279,25 +279,32 @@ def mma_supported(dtype: torch.dtype) -> bool:
     )
 
 
-def default_mma_config(m: int, n: int, k: int, group_size: int) -> MmaConfig:
-    """The fastest of the sweeps on an H100 over 4096 x 14336 weights both ways, groups 32 and
-    128 (docs/benchmarks.md). Up to 8 rows: 4 warps of 2 row tiles, split to about 4 programs
-    per SM, 128 k per step (64 for groups under 128, whose per-word scales cost registers).
-    9-16 rows: 2 warps of 2 row tiles at 8 programs per SM for groups of 128 and more, else 4
-    warps of one row tile at 4."""
-    if m <= 8:
-        warps, rep, blocks, per_sm = 4, 2, 4 if group_size >= 128 else 2, 4
-    elif group_size >= 128:
-        warps, rep, blocks, per_sm = 2, 2, 4, 8
-    else:
-        warps, rep, blocks, per_sm = 4, 1, 4, 4
-    return MmaConfig(warps, rep, blocks, split_k(n, k, 16 * warps * rep, blocks, per_sm))
+def default_mma_config(m: int, group_size: int) -> MmaConfig:
+    """The fastest shapes of the sweeps on an H100 over 4096 x 14336 weights both ways, groups
+    32 and 128 (docs/benchmarks.md), split per call (`split_k` 0). Groups of 128 and more: 2
+    warps of 2 row tiles, 128 k per step, for every M. Smaller groups, whose per-word scales
+    cost registers: 4 warps of 2 row tiles and 64 k per step up to 8 rows, 4 warps of one row
+    tile and 128 k per step above."""
+    if group_size >= 128:
+        return MmaConfig(2, 2, 4, 0)
+    return MmaConfig(4, 2, 2, 0) if m <= 8 else MmaConfig(4, 1, 4, 0)
 
 
-def split_k(n: int, k: int, block_n: int, blocks: int, per_sm: float) -> int:
-    """The K split that brings the grid to about `per_sm` programs per SM of a 132-SM part,
-    evened out so no split is empty."""
-    return even_split(triton.cdiv(k // 8, 4 * blocks), triton.cdiv(n, block_n), per_sm)
+_RESIDENT: dict[tuple, int] = {}  # (device, kernel constexprs) -> programs that fit at once
+
+
+def resident_programs(compiled, warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel fit on the GPU at once: its registers against
+    each SM's register file (allocated per warp in units of 256) and thread limit."""
+    compiled._init_handles()  # loads the binary: its register count is known from here on
+    props = torch.cuda.get_device_properties(device)
+    warp_regs = -(-compiled.n_regs // 8) * 8 * 32
+    per_sm = min(
+        getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * warps),
+        getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
+        32,
+    )
+    return max(1, per_sm) * props.multi_processor_count
 
 
 def int4_mma(
@@ -315,17 +322,27 @@ def int4_mma(
     n = qweight.shape[1]
     if m > MAX_M:
         raise ValueError(f"int4_mma serves M <= {MAX_M}, got M={m}")
-    cfg = config or default_mma_config(m, n, k, group_size)
+    cfg = config or default_mma_config(m, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     tiles = triton.cdiv(n, cfg.block_n)
     ws, cnt = workspace.get(x.device, m * n, tiles)
-    _int4_mma_kernel[(tiles, cfg.split_k)](
+    args = (
         x, qweight, scales, zeros, out, ws, cnt, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, SPLIT_K=cfg.split_k, BLOCK_M=8 if m <= 8 else 16,
-        FP16=x.dtype == torch.float16, WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks,
-        num_warps=cfg.warps,
     )  # fmt: skip
+    consts = dict(
+        GROUP_SIZE=group_size, BLOCK_M=8 if m <= 8 else 16, FP16=x.dtype == torch.float16,
+        WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks, num_warps=cfg.warps,
+    )  # fmt: skip
+    split = cfg.split_k
+    if split == 0:  # as many programs as fit at once (one wave), work evened out
+        key = (x.device, *consts.values())
+        resident = _RESIDENT.get(key)
+        if resident is None:  # compile once (any split above 1 has the same registers)
+            probe = _int4_mma_kernel.warmup(*args, grid=(1, 1), SPLIT_K=2, **consts)
+            resident = _RESIDENT[key] = resident_programs(probe, cfg.warps, x.device)
+        split = wave_split(triton.cdiv(k // 8, 4 * cfg.blocks), tiles, resident)
+    _int4_mma_kernel[(tiles, split)](*args, SPLIT_K=split, **consts)
     return out

@@ -12,6 +12,7 @@ kernel test modules do this on machines without CUDA).
 from __future__ import annotations
 
 import functools
+import heapq
 import os
 import threading
 
@@ -41,6 +42,35 @@ def even_split(steps: int, tiles: int, per_sm: float) -> int:
     programs per SM of a 132-SM part, evened out so that no split is left without work."""
     split = max(1, min(steps, round(per_sm * 132 / tiles)))
     return triton.cdiv(steps, triton.cdiv(steps, split))
+
+
+@functools.lru_cache(maxsize=256)
+def wave_split(steps: int, tiles: int, resident: int) -> int:
+    """The K split of `steps` steps over `tiles` column tiles whose schedule ends first when
+    `resident` programs fit on the GPU at once (SMs x programs per SM).
+
+    Programs start in launch order (every tile of split 0, then of split 1, ...) in the first
+    free slot and take their steps plus one step of start-up; the split with the earliest end
+    wins, the smaller on a tie. Only evened splits with no empty program and at most two full
+    waves are tried. A grid a little over one wave is what this avoids: its last programs
+    start when the first ones end (measured on an H100: 29 us at 1.3 waves against 22 us at
+    one wave for the same work)."""
+    best = (float("inf"), 1)
+    for split in range(1, steps + 1):
+        per = -(-steps // split)
+        if (split - 1) * per >= steps or (split > 1 and tiles * split > 2 * resident):
+            continue
+        last = steps - (split - 1) * per
+        free = [0] * min(resident, tiles * split)  # slot end times (a heap)
+        end = 0
+        for j in range(split):
+            length = (per if j < split - 1 else last) + 1
+            for _ in range(tiles):
+                t = heapq.heappop(free) + length
+                end = max(end, t)
+                heapq.heappush(free, t)
+        best = min(best, (end, split))
+    return best[1]
 
 
 def launchable(kernel: JITFunction | InterpretedFunction) -> JITFunction | InterpretedFunction:

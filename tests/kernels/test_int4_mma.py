@@ -24,6 +24,7 @@ from llmfleet.kernels import int4_gemv as gv  # noqa: E402
 from llmfleet.kernels import int4_matmul as i4  # noqa: E402
 from llmfleet.kernels import int4_mma as mma  # noqa: E402
 from llmfleet.kernels import int4_pack as ip  # noqa: E402
+from llmfleet.kernels.triton_utils import wave_split  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(not mma.HAVE_GLUON, reason="this Triton has no Gluon")
 
@@ -65,7 +66,7 @@ def test_int4_mma_compiles_to_register_only_operands(fp16, m, group, split) -> N
     """Every default shape compiles for sm_90 (the operand conversions are proven trivial),
     runs on m16n8k16 tensor-core instructions, reads the words 16 bytes at a time and uses no
     shared memory (with split-K, a few bytes for the arrival count's broadcast)."""
-    cfg = mma.default_mma_config(m, 4096, 14336, group)
+    cfg = mma.default_mma_config(m, group)
     cfg = mma.MmaConfig(cfg.warps, cfg.rep, cfg.blocks, split)
     kernel = _compile_sm90(fp16, 8 if m <= 8 else 16, group, cfg)
     ptx = kernel.asm["ptx"]
@@ -87,15 +88,41 @@ def test_mma_config_validation_and_defaults() -> None:
     with pytest.raises(ValueError, match="blocks"):
         mma.MmaConfig(4, 2, 3, 1)
     with pytest.raises(ValueError, match="split_k"):
-        mma.MmaConfig(4, 2, 4, 0)
-    assert mma.default_mma_config(4, 4096, 14336, 128) == mma.MmaConfig(4, 2, 4, 16)
-    assert mma.default_mma_config(16, 4096, 14336, 128).block_n == 64
-    for n, k in [(4096, 14336), (14336, 4096), (40, 128)]:
-        for m in (2, 9):
-            cfg = mma.default_mma_config(m, n, k, 32)
-            steps = triton.cdiv(k // 8, 4 * cfg.blocks)
-            share = triton.cdiv(steps, cfg.split_k)
-            assert (cfg.split_k - 1) * share < steps  # no split without work
+        mma.MmaConfig(4, 2, 4, -1)
+    assert mma.default_mma_config(4, 128) == mma.MmaConfig(2, 2, 4, 0)  # split per call
+    assert mma.default_mma_config(16, 128).block_n == 64
+    assert mma.default_mma_config(9, 32) == mma.MmaConfig(4, 1, 4, 0)
+
+
+@pytest.mark.parametrize(
+    "steps,tiles,resident,best",
+    [  # measured on an H100 (docs/benchmarks.md): the fastest split of each sweep
+        (112, 64, 792, 12),  # 4096 x 14336, 149 registers: 6 programs of 2 warps per SM
+        (32, 224, 792, 3),  # 14336 x 4096, same kernel
+        (32, 112, 528, 4),  # 4 warps at 113 registers: 4 per SM
+        (112, 32, 528, 16),
+        (112, 64, 660, 11),  # 11 splits are 10 of 11 steps and one of 2: the overflow is short
+        (112, 128, 1320, 11),
+    ],
+)
+def test_wave_split_picks_the_measured_best(steps, tiles, resident, best) -> None:
+    assert wave_split(steps, tiles, resident) == best
+
+
+@pytest.mark.parametrize("steps", [1, 2, 7, 32, 112, 448])
+@pytest.mark.parametrize("tiles", [1, 3, 64, 224, 1000])
+@pytest.mark.parametrize("resident", [132, 528, 1056])
+def test_wave_split_leaves_no_split_empty_and_no_stray_second_wave(steps, tiles, resident) -> None:
+    split = wave_split(steps, tiles, resident)
+    per = -(-steps // split)
+    last = steps - (split - 1) * per
+    assert 1 <= split <= steps and last >= 1  # every split has work
+    assert split == 1 or tiles * split <= 2 * resident
+    spill = tiles * split - resident
+    if tiles <= resident and spill > 0:  # one wave could hold a split of every tile
+        # what waits is either the last split's short programs or most of a second wave
+        short_tail = spill <= tiles and 2 * (last + 1) <= per + 1
+        assert short_tail or 4 * spill >= 3 * resident
 
 
 def test_int4_gemv_refuses_mma_config_where_it_cannot_run(monkeypatch) -> None:
