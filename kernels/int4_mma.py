@@ -30,12 +30,15 @@ The tensors are loaded in hand-written linear layouts and turned into the operan
 joins, reshapes and permutes that Gluon proves to be register renamings (`assert_trivial`).
 The next K step's words, scales and x are loaded before the current step is computed (register
 double buffering). Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last
-arriving program writes `out` and re-arms the workspace).
+arriving program writes `out` and re-arms the workspace). The split is chosen per call
+(`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
+the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
 `int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
-15.4-19.0 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
-41-45 us for the bf16 matmul; M = 16 in 22.7-28.3 us, latency-bound at 16 warps per SM.
+15.4-20.0 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
+42-45 us for the bf16 matmul; M = 16 in 22.4-26.0 us, where the SMs' issue rate, not DRAM,
+is the limit (neither fewer instructions nor more resident warps made it faster).
 """
 
 from __future__ import annotations
@@ -281,21 +284,20 @@ def mma_supported(dtype: torch.dtype) -> bool:
 
 def default_mma_config(m: int, group_size: int) -> MmaConfig:
     """The fastest shapes of the sweeps on an H100 over 4096 x 14336 weights both ways, groups
-    32 and 128 (docs/benchmarks.md), split per call (`split_k` 0). Groups of 128 and more: 2
-    warps of 2 row tiles, 128 k per step, for every M. Smaller groups, whose per-word scales
-    cost registers: 4 warps of 2 row tiles and 64 k per step up to 8 rows, 4 warps of one row
-    tile and 128 k per step above."""
-    if group_size >= 128:
+    32 and 128 (docs/benchmarks.md), split per call (`split_k` 0). Up to 8 rows: 4 warps of
+    2 row tiles, 128 k per step (64 for groups under 128, whose per-word scales cost
+    registers). 9-16 rows: 2 warps of 2 row tiles, 128 k per step."""
+    if m > 8:
         return MmaConfig(2, 2, 4, 0)
-    return MmaConfig(4, 2, 2, 0) if m <= 8 else MmaConfig(4, 1, 4, 0)
+    return MmaConfig(4, 2, 4 if group_size >= 128 else 2, 0)
 
 
-_RESIDENT: dict[tuple, int] = {}  # (device, kernel constexprs) -> programs that fit at once
+_PER_SM: dict[tuple, int] = {}  # (device, kernel constexprs) -> programs that fit on an SM
 
 
-def resident_programs(compiled, warps: int, device: torch.device) -> int:
-    """How many programs of a compiled kernel fit on the GPU at once: its registers against
-    each SM's register file (allocated per warp in units of 256) and thread limit."""
+def programs_per_sm(compiled, warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel fit on one SM at once: its registers against
+    the SM's register file (allocated per warp in units of 256) and thread limit."""
     compiled._init_handles()  # loads the binary: its register count is known from here on
     props = torch.cuda.get_device_properties(device)
     warp_regs = -(-compiled.n_regs // 8) * 8 * 32
@@ -304,7 +306,7 @@ def resident_programs(compiled, warps: int, device: torch.device) -> int:
         getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
         32,
     )
-    return max(1, per_sm) * props.multi_processor_count
+    return max(1, per_sm)
 
 
 def int4_mma(
@@ -339,10 +341,12 @@ def int4_mma(
     split = cfg.split_k
     if split == 0:  # as many programs as fit at once (one wave), work evened out
         key = (x.device, *consts.values())
-        resident = _RESIDENT.get(key)
-        if resident is None:  # compile once (any split above 1 has the same registers)
+        per_sm = _PER_SM.get(key)
+        if per_sm is None:  # compile once (any split above 1 has the same registers)
             probe = _int4_mma_kernel.warmup(*args, grid=(1, 1), SPLIT_K=2, **consts)
-            resident = _RESIDENT[key] = resident_programs(probe, cfg.warps, x.device)
-        split = wave_split(triton.cdiv(k // 8, 4 * cfg.blocks), tiles, resident)
+            per_sm = _PER_SM[key] = programs_per_sm(probe, cfg.warps, x.device)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        steps = triton.cdiv(k // 8, 4 * cfg.blocks)
+        split = wave_split(steps, tiles, per_sm, sms, cfg.warps)
     _int4_mma_kernel[(tiles, split)](*args, SPLIT_K=split, **consts)
     return out
