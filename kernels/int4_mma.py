@@ -292,7 +292,7 @@ def default_mma_config(m: int, group_size: int) -> MmaConfig:
     return MmaConfig(4, 2, 4 if group_size >= 128 else 2, 0)
 
 
-_PER_SM: dict[tuple, int] = {}  # (device, kernel constexprs) -> programs that fit on an SM
+_FIT: dict[tuple, tuple[int, int]] = {}  # (device, constexprs) -> (programs per SM, SMs)
 
 
 def programs_per_sm(compiled, warps: int, device: torch.device) -> int:
@@ -341,11 +341,12 @@ def int4_mma(
     split = cfg.split_k
     if split == 0:  # as many programs as fit at once (one wave), work evened out
         key = (x.device, *consts.values())
-        per_sm = _PER_SM.get(key)
-        if per_sm is None:  # compile once (any split above 1 has the same registers)
+        fit = _FIT.get(key)
+        if fit is None:  # compile once (any split above 1 has the same registers)
             probe = _int4_mma_kernel.warmup(*args, grid=(1, 1), SPLIT_K=2, **consts)
-            per_sm = _PER_SM[key] = programs_per_sm(probe, cfg.warps, x.device)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            fit = _FIT[key] = (programs_per_sm(probe, cfg.warps, x.device), sms)
+        per_sm, sms = fit
         steps = triton.cdiv(k // 8, 4 * cfg.blocks)
         split = wave_split(steps, tiles, per_sm, sms, cfg.warps)
     _int4_mma_kernel[(tiles, split)](*args, SPLIT_K=split, **consts)
