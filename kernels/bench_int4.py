@@ -95,9 +95,10 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | 
     if m > 1 and mma.mma_supported(torch.bfloat16):  # Gluon mma.sync: (warps, rep, blocks)
         for warps, rep, blocks in [(2, 2, 4), (4, 2, 4), (4, 1, 4), (4, 2, 2)]:
             out.append(mma.MmaConfig(warps, rep, blocks))  # split: one wave of what fits
-        steps, tiles = triton.cdiv(k // 8, 16), triton.cdiv(n, 64)
+        shape = mma.MmaConfig(2, 2, 4)
         for per_sm in (4, 8):  # the earlier rule: a fixed number of programs per SM
-            out.append(mma.MmaConfig(2, 2, 4, even_split(steps, tiles, per_sm)))
+            split = even_split(shape.steps(k), triton.cdiv(n, shape.block_n), per_sm)
+            out.append(mma.MmaConfig(2, 2, 4, split))
     return out
 
 

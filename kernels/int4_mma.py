@@ -108,6 +108,10 @@ class MmaConfig:
     def block_n(self) -> int:
         return 16 * self.warps * self.rep
 
+    def steps(self, k: int) -> int:
+        """K steps of a K-long product (4 packed words of 8 k per block)."""
+        return triton.cdiv(k // 8, 4 * self.blocks)
+
 
 if HAVE_GLUON:
     _DEQUANT_BF16 = gl.constexpr(_dequant_ptx(False))
@@ -347,7 +351,6 @@ def int4_mma(
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             fit = _FIT[key] = (programs_per_sm(probe, cfg.warps, x.device), sms)
         per_sm, sms = fit
-        steps = triton.cdiv(k // 8, 4 * cfg.blocks)
-        split = wave_split(steps, tiles, per_sm, sms, cfg.warps)
+        split = wave_split(cfg.steps(k), tiles, per_sm, sms, cfg.warps)
     _int4_mma_kernel[(tiles, split)](*args, SPLIT_K=split, **consts)
     return out

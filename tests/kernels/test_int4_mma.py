@@ -24,6 +24,7 @@ from llmfleet.kernels import int4_gemv as gv  # noqa: E402
 from llmfleet.kernels import int4_matmul as i4  # noqa: E402
 from llmfleet.kernels import int4_mma as mma  # noqa: E402
 from llmfleet.kernels import int4_pack as ip  # noqa: E402
+from llmfleet.kernels.bench_int4 import random_int4  # noqa: E402
 from llmfleet.kernels.triton_utils import split_cost, wave_split  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(not mma.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -152,13 +153,6 @@ def test_int4_gemv_refuses_mma_config_where_it_cannot_run(monkeypatch) -> None:
         gv.int4_gemv(x, qweight, scales, scales, 128, config=mma.MmaConfig(4, 2, 4, 1))
 
 
-def _random_int4(k: int, n: int, group: int, dtype: torch.dtype):
-    q = torch.randint(0, 16, (k, n), dtype=torch.uint8, device="cuda")
-    scales = (torch.rand(k // group, n, device="cuda") * 0.02 + 0.002).to(dtype)
-    zeros = torch.randint(0, 16, (k // group, n), device="cuda").float() * scales.float()
-    return ip.pack_int4(q), scales, zeros.to(dtype)
-
-
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "NaN in output (unwritten elements)"
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -184,7 +178,7 @@ def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
     """Against the float32 reference on fresh data, twice (split-K sums meet by atomics: a
     race would show as a moving error), with the workspace back to zeros afterwards."""
     torch.manual_seed(m * 1000 + n)
-    qweight, scales, zeros = _random_int4(k, n, group, dtype)
+    qweight, scales, zeros = random_int4(k, n, group, dtype)
     for _ in range(2):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = ip.int4_matmul_ref(x, qweight, scales, zeros, group)
@@ -200,7 +194,7 @@ def test_int4_matmul_takes_int4_mma_for_small_batches() -> None:
     """The default path for 1 < M <= 16 is the Gluon kernel, and a strided x (a view of a
     wider batch) gives the same result as a contiguous one."""
     assert mma.mma_supported(torch.bfloat16)
-    qweight, scales, zeros = _random_int4(2048, 512, 128, torch.bfloat16)
+    qweight, scales, zeros = random_int4(2048, 512, 128, torch.bfloat16)
     wide = torch.randn(6, 4096, device="cuda", dtype=torch.bfloat16)
     x = wide[:, :2048]
     out = i4.int4_matmul(x, qweight, scales, zeros, 128)
