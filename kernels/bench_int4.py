@@ -93,7 +93,7 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | 
                 if cfg not in out:
                     out.append(cfg)
     if m > 1 and mma.mma_supported(torch.bfloat16):  # Gluon mma.sync: (warps, rep, blocks)
-        for warps, rep, blocks in [(2, 2, 4), (4, 2, 4), (4, 1, 4), (4, 2, 2)]:
+        for warps, rep, blocks in [(2, 2, 4), (1, 2, 4), (4, 2, 4), (4, 1, 4), (4, 2, 2)]:
             out.append(mma.MmaConfig(warps, rep, blocks))  # split: one wave of what fits
         shape = mma.MmaConfig(2, 2, 4)
         for per_sm in (4, 8):  # the earlier rule: a fixed number of programs per SM

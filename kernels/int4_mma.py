@@ -29,16 +29,21 @@ packed row in one vector load:
 The tensors are loaded in hand-written linear layouts and turned into the operand layouts by
 joins, reshapes and permutes that Gluon proves to be register renamings (`assert_trivial`).
 The next K step's words, scales and x are loaded before the current step is computed (register
-double buffering). Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last
-arriving program writes `out` and re-arms the workspace). The split is chosen per call
+double buffering); a program's last step prefetches itself again rather than the step after it,
+and x rows past M read row M - 1, so where K is a whole number of steps and N of column tiles
+(`EVEN_K`, `EVEN_N`: every shape of the models we serve) no load carries a mask. Each column's
+scale and negated zero are paired into a bf16x2 register once per step, not once per word.
+Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last arriving program
+writes `out` and re-arms the workspace). The split is chosen per call
 (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
 the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
 `int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
-15.4-20.0 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
-42-45 us for the bf16 matmul; M = 16 in 22.4-26.0 us, where the SMs' issue rate, not DRAM,
-is the limit (neither fewer instructions nor more resident warps made it faster).
+15.2-18.3 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
+41-45 us for the bf16 matmul; M = 16 in 21.0-24.9 us, where the SMs, not DRAM, are the limit:
+2.7 resident warps per scheduler, the integer pipe (nibble shifts, masks, x pairing) the
+busiest at 43%, and stalls spread over loads, fixed latencies and that pipe.
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ MAX_M = 16
 
 
 def _dequant_ptx(fp16: bool) -> str:
-    """$8 a packed word, $9 its scale s, $10 its zero z (16-bit) -> $0..$7 the weights q s - z
-    of nibbles 0..7, nibble i and i + 4 formed together in one 32-bit register pair."""
+    """$8 a packed word, $9 its scale and $10 its negated zero, each twice in a 32-bit register
+    (`_PACK_SCALE`, `_PACK_NEG_ZERO`) -> $0..$7 the weights q s - z of nibbles 0..7, nibble i
+    and i + 4 formed together in one 32-bit register pair."""
     magic, one, off, fma = (
         ("0x64006400", "0x3C003C00", "0xE400E400", "fma.rn.f16x2")  # 1024.0, 1.0, -1024.0
         if fp16
@@ -80,15 +86,20 @@ def _dequant_ptx(fp16: bool) -> str:
         body += [
             f"lop3.b32 v, {src}, m, c, 0xEA;",  # (src & m) | c: 16-bit halves magic + q
             f"{fma} q, v, one, off;",  # q, exact
-            f"{fma} w, q, s2, nz2;",  # q s - z, rounded once
+            f"{fma} w, q, $9, $10;",  # q s - z, rounded once
             f"mov.b32 {{${i}, ${i + 4}}}, w;",
         ]
     return (
-        "{\n.reg .b32 t, v, q, w, m, c, one, off, s2, nz2;\n.reg .b16 nz;\n"
+        "{\n.reg .b32 t, v, q, w, m, c, one, off;\n"
         f"mov.b32 m, 0x000F000F;\nmov.b32 c, {magic};\nmov.b32 one, {one};\n"
-        f"mov.b32 off, {off};\nmov.b32 s2, {{$9, $9}};\nxor.b16 nz, $10, 0x8000;\n"
-        "mov.b32 nz2, {nz, nz};\n" + "\n".join(body) + "\n}"
+        f"mov.b32 off, {off};\n" + "\n".join(body) + "\n}"
     )
+
+
+# $1 a 16-bit scale (zero) -> $0 the scale (the negated zero) in both halves, made once per
+# column and step rather than once per packed word
+_PACK_SCALE = "mov.b32 $0, {$1, $1};"
+_PACK_NEG_ZERO = "{\n.reg .b16 n;\nxor.b16 n, $1, 0x8000;\nmov.b32 $0, {n, n};\n}"
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,9 @@ class MmaConfig:
 if HAVE_GLUON:
     _DEQUANT_BF16 = gl.constexpr(_dequant_ptx(False))
     _DEQUANT_F16 = gl.constexpr(_dequant_ptx(True))
-    _DEQUANT_IO = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")  # 8 weights <- word, s, z
+    _DEQUANT_IO = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")  # 8 weights <- word, s, -z
+    _PACK_S = gl.constexpr(_PACK_SCALE)
+    _PACK_NZ = gl.constexpr(_PACK_NEG_ZERO)
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after triton 3.6
 
     @gluon.constexpr_function
@@ -144,8 +157,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _weights_operand(words, s, z, a_layout: gl.constexpr, FP16: gl.constexpr,
                          WARPS: gl.constexpr, REP: gl.constexpr, BLOCKS: gl.constexpr):  # fmt: skip
-        """(BN, 4 BLOCKS) words -> the (BN, 32 BLOCKS) first operand, rows and k permuted."""
-        args = [words, s.to(gl.int16, bitcast=True), z.to(gl.int16, bitcast=True)]
+        """(BN, 4 BLOCKS) words -> the (BN, 32 BLOCKS) first operand, rows and k permuted;
+        s and z are a (BN,) vector per step, or (BN, 4 BLOCKS) for groups shorter than a step."""
+        s2 = gl.inline_asm_elementwise(
+            _PACK_S, "=r,h", [s.to(gl.int16, bitcast=True)], dtype=gl.int32, is_pure=True, pack=1
+        )
+        nz2 = gl.inline_asm_elementwise(
+            _PACK_NZ, "=r,h", [z.to(gl.int16, bitcast=True)], dtype=gl.int32, is_pure=True, pack=1
+        )
+        if len(s.shape) == 1:  # broadcast along the step after packing: one pair per column
+            s2 = gl.broadcast(s2[:, None], words)[0]
+            nz2 = gl.broadcast(nz2[:, None], words)[0]
+        args = [words, s2, nz2]
         if FP16:
             o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
                 _DEQUANT_F16, _DEQUANT_IO, args, dtype=(gl.int16,) * 8, is_pure=True, pack=1
@@ -175,32 +198,44 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_step(
-        x_ptr, qw_ptr, s_ptr, z_ptr, step, limit, offs_n, n_ok, offs_c, offs_xm, xm_ok, offs_xk,
-        stride_xm, stride_qk, stride_sg,
-        GROUP_SIZE: gl.constexpr, BKW: gl.constexpr,
+        x_ptr, qw_ptr, s_ptr, z_ptr, step, limit, w_off, n_ok, offs_c, x_off, offs_xk, offs_n,
+        stride_qk, stride_sg,
+        GROUP_SIZE: gl.constexpr, BKW: gl.constexpr, EVEN_K: gl.constexpr, EVEN_N: gl.constexpr,
     ):  # fmt: skip
-        """Words, scales, zeros and x of one K step; packed rows from `limit` on read as zeros
-        with zero scales (so they dequantize to 0, not to -z)."""
-        c = step * BKW + offs_c
-        ok = n_ok[:, None] & (c < limit)[None, :]
-        words = gl.load(
-            qw_ptr + c[None, :].to(gl.int64) * stride_qk + offs_n[:, None], mask=ok, other=0
-        )
-        if GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
-            g_off = ((step * BKW * 8) // GROUP_SIZE) * stride_sg + offs_n
-            v_ok = n_ok & (step * BKW < limit)
-            s, _ = gl.broadcast(gl.load(s_ptr + g_off, mask=v_ok, other=0.0)[:, None], words)
-            z, _ = gl.broadcast(gl.load(z_ptr + g_off, mask=v_ok, other=0.0)[:, None], words)
+        """Words, scales, zeros and x of one K step, addressed as a scalar step base plus
+        offsets fixed for the program. Unless the shape is even (EVEN_K, EVEN_N), packed rows
+        from `limit` on and columns from N on read as zeros with zero scales (so they
+        dequantize to 0, not to -z); x rows past M were clamped to row M - 1 by the caller."""
+        kw = step * BKW  # first packed row of the step
+        qw = qw_ptr + kw.to(gl.int64) * stride_qk
+        if EVEN_K and EVEN_N:
+            words = gl.load(qw + w_off)
         else:
-            g_off = ((c * 8) // GROUP_SIZE)[None, :].to(gl.int64) * stride_sg + offs_n[:, None]
-            s = gl.load(s_ptr + g_off, mask=ok, other=0.0)
-            z = gl.load(z_ptr + g_off, mask=ok, other=0.0)
-        k = step * BKW * 8 + offs_xk
-        xt = gl.load(
-            x_ptr + offs_xm[:, None].to(gl.int64) * stride_xm + k[None, :],
-            mask=xm_ok[:, None] & (k < limit * 8)[None, :],
-            other=0.0,
-        )
+            ok = n_ok[:, None] & ((kw + offs_c) < limit)[None, :]
+            words = gl.load(qw + w_off, mask=ok, other=0)
+        if GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
+            g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_n
+            if EVEN_K and EVEN_N:
+                s = gl.load(s_ptr + g_off)
+                z = gl.load(z_ptr + g_off)
+            else:
+                v_ok = n_ok & (kw < limit)
+                s = gl.load(s_ptr + g_off, mask=v_ok, other=0.0)
+                z = gl.load(z_ptr + g_off, mask=v_ok, other=0.0)
+        else:
+            g_off = (((kw + offs_c) * 8) // GROUP_SIZE)[None, :].to(gl.int64) * stride_sg
+            g_off = g_off + offs_n[:, None]
+            if EVEN_K and EVEN_N:
+                s = gl.load(s_ptr + g_off)
+                z = gl.load(z_ptr + g_off)
+            else:
+                s = gl.load(s_ptr + g_off, mask=ok, other=0.0)
+                z = gl.load(z_ptr + g_off, mask=ok, other=0.0)
+        xs = x_ptr + kw * 8
+        if EVEN_K:
+            xt = gl.load(xs + x_off)
+        else:
+            xt = gl.load(xs + x_off, mask=((kw * 8 + offs_xk) < limit * 8)[None, :], other=0.0)
         return words, s, z, xt
 
     @gluon.jit
@@ -212,6 +247,8 @@ if HAVE_GLUON:
         stride_om,  # elements between rows of out (M, N); unit stride along N
         GROUP_SIZE: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
         FP16: gl.constexpr, WARPS: gl.constexpr, REP: gl.constexpr, BLOCKS: gl.constexpr,
+        EVEN_K: gl.constexpr,  # K // 8 is a whole number of steps
+        EVEN_N: gl.constexpr,  # N is a whole number of column tiles
     ):  # fmt: skip
         BN: gl.constexpr = 16 * WARPS * REP
         BKW: gl.constexpr = 4 * BLOCKS
@@ -228,9 +265,11 @@ if HAVE_GLUON:
         offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, wl))  # real columns
         offs_c = gl.arange(0, BKW, layout=gl.SliceLayout(0, wl))
         n_ok = offs_n < N
-        offs_xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl))
+        w_off = offs_c[None, :] * stride_qk + offs_n[:, None]  # words of step 0
+        # rows past M read row M - 1 (their sums are not stored), so x needs no row mask
+        offs_xm = gl.minimum(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl)), M - 1)
         offs_xk = gl.arange(0, 8 * BKW, layout=gl.SliceLayout(0, xl))
-        xm_ok = offs_xm < M
+        x_off = offs_xm[:, None] * stride_xm + offs_xk[None, :]  # x of step 0
         kp_total = K // 8
         steps = gl.cdiv(kp_total, BKW)
         per_split = gl.cdiv(steps, SPLIT_K)
@@ -239,14 +278,18 @@ if HAVE_GLUON:
         limit = gl.minimum(step_end * BKW, kp_total)  # this program's packed rows end here
 
         acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)  # out^T, rows permuted
+        # a split without steps loads the last step and adds nothing; the step after a
+        # program's last is never read (the prefetch repeats the last), so even shapes need
+        # no masks at all
         words, s, z, xt = _load_step(
-            x_ptr, qw_ptr, s_ptr, z_ptr, step_begin, limit, offs_n, n_ok, offs_c, offs_xm, xm_ok,
-            offs_xk, stride_xm, stride_qk, stride_sg, GROUP_SIZE, BKW,
+            x_ptr, qw_ptr, s_ptr, z_ptr, gl.minimum(step_begin, steps - 1), limit, w_off, n_ok,
+            offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, GROUP_SIZE, BKW, EVEN_K, EVEN_N,
         )  # fmt: skip
         for step in range(step_begin, step_end):
             nxt_words, nxt_s, nxt_z, nxt_x = _load_step(
-                x_ptr, qw_ptr, s_ptr, z_ptr, step + 1, limit, offs_n, n_ok, offs_c, offs_xm,
-                xm_ok, offs_xk, stride_xm, stride_qk, stride_sg, GROUP_SIZE, BKW,
+                x_ptr, qw_ptr, s_ptr, z_ptr, gl.minimum(step + 1, step_end - 1), limit, w_off,
+                n_ok, offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, GROUP_SIZE, BKW,
+                EVEN_K, EVEN_N,
             )  # fmt: skip
             a = _weights_operand(words, s, z, a_l, FP16, WARPS, REP, BLOCKS)
             acc = mma_v2(a, _x_operand(xt, b_l, BLOCK_M, BLOCKS), acc)
@@ -286,14 +329,10 @@ def mma_supported(dtype: torch.dtype) -> bool:
     )
 
 
-def default_mma_config(m: int, group_size: int) -> MmaConfig:
-    """The fastest shapes of the sweeps on an H100 over 4096 x 14336 weights both ways, groups
-    32 and 128 (docs/benchmarks.md), split per call (`split_k` 0). Up to 8 rows: 4 warps of
-    2 row tiles, 128 k per step (64 for groups under 128, whose per-word scales cost
-    registers). 9-16 rows: 2 warps of 2 row tiles, 128 k per step."""
-    if m > 8:
-        return MmaConfig(2, 2, 4, 0)
-    return MmaConfig(4, 2, 4 if group_size >= 128 else 2, 0)
+# 2 warps of 2 row tiles, 128 k per step, split per call: the fastest or within 1 us of the
+# fastest of nine shapes at M = 4, 8 and 16 on an H100, 4096 x 14336 weights both ways, groups
+# 32 and 128 (docs/benchmarks.md, ninth session)
+DEFAULT_MMA_CONFIG = MmaConfig(2, 2, 4, 0)
 
 
 _FIT: dict[tuple, tuple[int, int]] = {}  # (device, constexprs) -> (programs per SM, SMs)
@@ -328,10 +367,12 @@ def int4_mma(
     n = qweight.shape[1]
     if m > MAX_M:
         raise ValueError(f"int4_mma serves M <= {MAX_M}, got M={m}")
-    cfg = config or default_mma_config(m, group_size)
+    cfg = config or DEFAULT_MMA_CONFIG
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if k < 8:  # no packed row: an empty sum
+        return out.zero_()
     tiles = triton.cdiv(n, cfg.block_n)
     ws, cnt = workspace.get(x.device, m * n, tiles)
     args = (
@@ -340,7 +381,8 @@ def int4_mma(
     )  # fmt: skip
     consts = dict(
         GROUP_SIZE=group_size, BLOCK_M=8 if m <= 8 else 16, FP16=x.dtype == torch.float16,
-        WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks, num_warps=cfg.warps,
+        WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks, EVEN_K=(k // 8) % (4 * cfg.blocks) == 0,
+        EVEN_N=n % cfg.block_n == 0, num_warps=cfg.warps,
     )  # fmt: skip
     split = cfg.split_k
     if split == 0:  # as many programs as fit at once (one wave), work evened out

@@ -75,9 +75,10 @@ def split_cost(steps: int, tiles: int, per_sm: int, sms: int, warps: int, split:
 @functools.lru_cache(maxsize=256)
 def wave_split(steps: int, tiles: int, per_sm: int, sms: int, warps: int) -> int:
     """The K split that `split_cost` says ends first (the smaller on a tie), among those of
-    at most two full waves. Against 12 sweeps on an H100 (4096 x 14336 both ways, M 4-16, 2
-    and 4 warps) its picks are within 3% of the fastest split; a fixed number of programs
-    per SM was up to 30% off where the grid spilled a little past one wave."""
+    at most two full waves. Against 18 sweeps on an H100 (4096 x 14336 both ways, M 4-16, 2
+    and 4 warps, two versions of `int4_mma`) its picks are within 3% of the fastest split in
+    17 and 4.5% in one; a fixed number of programs per SM was up to 30% off where the grid
+    spilled a little past one wave."""
     limit = max(1, 2 * per_sm * sms // max(tiles, 1))
     candidates = range(1, min(steps, limit) + 1)
     return min(candidates, key=lambda s: (split_cost(steps, tiles, per_sm, sms, warps, s), s))
