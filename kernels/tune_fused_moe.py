@@ -28,9 +28,10 @@ MODELS = {"mixtral": (8, 2, 4096, 14336), "qwen3_30b_a3b": (128, 8, 2048, 768)}
 def search_space(m: int, top_k: int, num_experts: int) -> list[dict[str, int]]:
     rows = m * top_k / num_experts
     block_ms = [16, 32] if rows <= 16 else [16, 32, 64] if rows <= 128 else [64, 128]
+    block_ns = [64, 128] if rows <= 128 else [64, 128, 256]  # wide tiles where compute-bound
     configs = []
     for bm, bn, bk, warps, stages in itertools.product(
-        block_ms, [64, 128], [64, 128], [4, 8], [3, 4]
+        block_ms, block_ns, [64, 128], [4, 8], [3, 4]
     ):
         if bm * bn >= 128 * 128 and warps == 4 or bm * bn <= 32 * 64 and warps == 8:
             continue

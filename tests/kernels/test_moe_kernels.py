@@ -176,6 +176,25 @@ def test_default_config_by_rows_per_expert() -> None:
     assert fm.default_config(4096, 8, 2)["BLOCK_SIZE_M"] == 128
 
 
+def test_shipped_tuned_configs_are_well_formed() -> None:
+    """Every tuned file the package ships is found under its own name by `load_configs` and
+    holds, per token count, a whole config of power-of-two tiles the kernel accepts."""
+    files = sorted(fm.CONFIG_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        fields = dict(part.split("=", 1) for part in path.stem.split(","))
+        e, n, device, dtype = (fields[key] for key in ("E", "N", "device_name", "dtype"))
+        assert dtype in ("bf16", "fp8_w8a8"), path.name
+        assert fm.config_file_name(int(e), int(n), device.replace("_", " "), dtype) == path.name
+        table = fm.load_configs(int(e), int(n), device.replace("_", " "), dtype)
+        assert table and all(m >= 1 for m in table), path.name
+        for cfg in table.values():
+            assert set(cfg) == {*fm.CONFIG_KEYS, "num_warps", "num_stages"}, path.name
+            for key in fm.CONFIG_KEYS[:3]:
+                assert cfg[key] in (16, 32, 64, 128, 256), (path.name, cfg)
+            assert cfg["num_warps"] in (4, 8) and 2 <= cfg["num_stages"] <= 5, (path.name, cfg)
+
+
 # ---- GPU, real sizes ----
 
 MODELS = {"mixtral": (8, 2, 4096, 14336), "qwen3_30b_a3b": (128, 8, 2048, 768)}
