@@ -31,10 +31,11 @@ joins, reshapes and permutes that Gluon proves to be register renamings (`assert
 The next K step's words, scales and x are loaded before the current step is computed (register
 double buffering); a program's last step prefetches itself again rather than the step after it,
 and x rows past M read row M - 1, so where K is a whole number of steps and N of column tiles
-(`EVEN_K`, `EVEN_N`: every shape of the models we serve) no load carries a mask. Each column's
-scale and negated zero are paired into a bf16x2 register once per step, not once per word.
-Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last arriving program
-writes `out` and re-arms the workspace). The split is chosen per call
+(`EVEN_K`, `EVEN_N`: with the default shape, K a multiple of 128 and N of 64, as in the
+projections of 8B-class models; not SmolLM2's hidden 576) no load carries a mask. Each
+column's scale and negated zero are paired into a bf16x2 register once per step, not once per
+word. Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last arriving
+program writes `out` and re-arms the workspace). The split is chosen per call
 (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
 the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
 
