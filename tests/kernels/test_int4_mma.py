@@ -9,6 +9,7 @@ checked against the float32 reference on the GPU (`@pytest.mark.gpu`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -19,6 +20,7 @@ if not torch.cuda.is_available():  # the other kernels of these modules run inte
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from llmfleet.kernels import int4_gemv as gv  # noqa: E402
 from llmfleet.kernels import int4_matmul as i4  # noqa: E402
@@ -36,6 +38,36 @@ SIGNATURE = {
 }  # fmt: skip
 
 
+# triton.language as imported, before any test ran a kernel in the interpreter
+_LANG = [tl, tl.core, tl.math, tl.tensor]
+_LANG += [tl.core.tensor_descriptor_base] if hasattr(tl.core, "tensor_descriptor_base") else []
+_PRISTINE = [(obj, dict(vars(obj))) for obj in _LANG]
+
+
+def _put_back(snapshot) -> None:
+    for obj, attrs in snapshot:
+        for name in set(vars(obj)) - set(attrs):
+            delattr(obj, name)
+        for name, value in attrs.items():
+            if vars(obj).get(name) is not value:
+                setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _pristine_language():
+    """Triton's interpreter (3.9, `InterpretedFunction.__call__`) patches triton.language for
+    every call of a jit helper from an interpreted kernel and never undoes it, so once any
+    test of the process has interpreted such a kernel, compiling Gluon would run into the
+    interpreter's semantics ('value' object has no attribute 'dtype'). Compile with the
+    language as imported, then leave the interpreter's state as it was."""
+    leaked = [(obj, dict(vars(obj))) for obj in _LANG]
+    _put_back(_PRISTINE)
+    try:
+        yield
+    finally:
+        _put_back(leaked)
+
+
 def _compile_sm90(fp16: bool, block_m: int, group: int, cfg: mma.MmaConfig, even: bool = True):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -49,7 +81,10 @@ def _compile_sm90(fp16: bool, block_m: int, group: int, cfg: mma.MmaConfig, even
         REP=cfg.rep, BLOCKS=cfg.blocks, EVEN_K=even, EVEN_N=even,
     )  # fmt: skip
     src = GluonASTSource(mma._int4_mma_kernel, sig, constexprs, aligned)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps})
+    with _pristine_language():
+        return triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps}
+        )
 
 
 @needs_gluon
