@@ -209,29 +209,22 @@ if HAVE_GLUON:
         dequantize to 0, not to -z); x rows past M were clamped to row M - 1 by the caller."""
         kw = step * BKW  # first packed row of the step
         qw = qw_ptr + kw.to(gl.int64) * stride_qk
-        if EVEN_K and EVEN_N:
-            words = gl.load(qw + w_off)
-        else:
-            ok = n_ok[:, None] & ((kw + offs_c) < limit)[None, :]
-            words = gl.load(qw + w_off, mask=ok, other=0)
+        ok = n_ok[:, None] & ((kw + offs_c) < limit)[None, :]  # unused (and dropped) if even
         if GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
             g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_n
-            if EVEN_K and EVEN_N:
-                s = gl.load(s_ptr + g_off)
-                z = gl.load(z_ptr + g_off)
-            else:
-                v_ok = n_ok & (kw < limit)
-                s = gl.load(s_ptr + g_off, mask=v_ok, other=0.0)
-                z = gl.load(z_ptr + g_off, mask=v_ok, other=0.0)
+            g_ok = n_ok & (kw < limit)
         else:
             g_off = (((kw + offs_c) * 8) // GROUP_SIZE)[None, :].to(gl.int64) * stride_sg
             g_off = g_off + offs_n[:, None]
-            if EVEN_K and EVEN_N:
-                s = gl.load(s_ptr + g_off)
-                z = gl.load(z_ptr + g_off)
-            else:
-                s = gl.load(s_ptr + g_off, mask=ok, other=0.0)
-                z = gl.load(z_ptr + g_off, mask=ok, other=0.0)
+            g_ok = ok
+        if EVEN_K and EVEN_N:
+            words = gl.load(qw + w_off)
+            s = gl.load(s_ptr + g_off)
+            z = gl.load(z_ptr + g_off)
+        else:
+            words = gl.load(qw + w_off, mask=ok, other=0)
+            s = gl.load(s_ptr + g_off, mask=g_ok, other=0.0)
+            z = gl.load(z_ptr + g_off, mask=g_ok, other=0.0)
         xs = x_ptr + kw * 8
         if EVEN_K:
             xt = gl.load(xs + x_off)
