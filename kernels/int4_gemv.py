@@ -430,9 +430,9 @@ def int4_gemv(
     if isinstance(config, MmaConfig):
         if not mma_supported(x.dtype):
             raise ValueError("int4_mma needs Gluon and an NVIDIA GPU of sm_80 or later")
-        return int4_mma(x, qweight, scales, zeros, group_size, _WORKSPACE, config)
+        return int4_mma(x, qweight, scales, zeros, group_size, config)
     if config is None and m > 1 and mma_supported(x.dtype):
-        return int4_mma(x, qweight, scales, zeros, group_size, _WORKSPACE)
+        return int4_mma(x, qweight, scales, zeros, group_size)
     cfg = config or default_gemv_config(m, n, k, group_size, x.dtype)
     if cfg.packed and x.dtype == torch.bfloat16 and not packed_products_supported():
         raise ValueError("packed bf16x2 products need an NVIDIA GPU of sm_80 or later")

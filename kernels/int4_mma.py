@@ -34,17 +34,21 @@ and x rows past M read row M - 1, so where K is a whole number of steps and N of
 (`EVEN_K`, `EVEN_N`: with the default shape, K a multiple of 128 and N of 64, as in the
 projections of 8B-class models; not SmolLM2's hidden 576) no load carries a mask. Each
 column's scale and negated zero are paired into a bf16x2 register once per step, not once per
-word. Split-K partial sums meet in `int4_gemv`'s float32 workspace as there (last arriving
-program writes `out` and re-arms the workspace). The split is chosen per call
-(`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
-the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
+word. With split-K, every program stores its partial sums to a scratch slab of its own, as
+they lie in registers (8-byte stores, no atomics: float32 atomic adds of the 16 x 64 sums took
+a quarter of the time at M = 16); the last program of a column tile to arrive adds the slabs
+in split order, so the result does not depend on the order of arrival (slabs and counters are
+per device, so calls on one device must be ordered: one stream, as the engine runs). The split
+is chosen per call (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on
+an SM, so that the grid does not spill a few programs into a second wave
+(`triton_utils.wave_split`).
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
 `int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
-15.2-18.3 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
-41-45 us for the bf16 matmul; M = 16 in 21.0-24.9 us, where the SMs, not DRAM, are the limit:
+15.0-18.2 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
+41-45 us for the bf16 matmul; M = 16 in 18.0-21.9 us, where the SMs, not DRAM, are the limit:
 2.7 resident warps per scheduler, the integer pipe (nibble shifts, masks, x pairing) the
-busiest at 43%, and stalls spread over loads, fixed latencies and that pipe.
+busiest, and stalls spread over loads, fixed latencies and that pipe.
 """
 
 from __future__ import annotations
@@ -298,17 +302,21 @@ if HAVE_GLUON:
         if SPLIT_K == 1:
             gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
-            ws_off = m[None, :].to(gl.int64) * N + n[:, None]
-            gl.atomic_add(ws_ptr + ws_off, acc, mask=o_mask, sem="relaxed")
-            _barrier()  # every thread's adds are issued before the counter's release
+            # each split stores its partial sums as they lie in registers (plain 8-byte stores:
+            # atomics cost 6 us of 22 at M = 16); the last to arrive adds them in split order
+            tile: gl.constexpr = BN * BLOCK_M
+            p_off = row[:, None] * BLOCK_M + m[None, :]
+            slab = ws_ptr + pid_n.to(gl.int64) * (SPLIT_K * tile)
+            gl.store(slab + pid_k * tile + p_off, acc)
+            _barrier()  # every thread's stores are issued before the counter's release
             counter = cnt_ptr + pid_n
             arrived = gl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # the last split of this column tile
                 _barrier()
-                zero = gl.zeros_like(acc)
-                total = gl.atomic_add(ws_ptr + ws_off, zero, mask=o_mask, sem="relaxed")
+                total = gl.zeros_like(acc)
+                for i in gl.static_range(SPLIT_K):  # all loads in flight at once; past L1
+                    total += gl.load(slab + i * tile + p_off, cache_modifier=".cg")
                 gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                gl.store(ws_ptr + ws_off, zero, mask=o_mask)
                 gl.store(counter, 0)
 
 
@@ -329,7 +337,9 @@ def mma_supported(dtype: torch.dtype) -> bool:
 DEFAULT_MMA_CONFIG = MmaConfig(2, 2, 4, 0)
 
 
-_FIT: dict[tuple, tuple[int, int]] = {}  # (device, constexprs) -> (programs per SM, SMs)
+# split-K partial sums (scratch, written before read) and arrival counters (zero between calls)
+_WORKSPACE = ZeroedWorkspace("int4_mma split-K")
+_FIT: dict[tuple, tuple[int, int]] = {}  # (device, split, constexprs) -> (per SM, SMs)
 
 
 def programs_per_sm(compiled, warps: int, device: torch.device) -> int:
@@ -352,7 +362,6 @@ def int4_mma(
     scales: torch.Tensor,  # (K // G, N) x.dtype
     zeros: torch.Tensor,  # (K // G, N) x.dtype
     group_size: int,
-    workspace: ZeroedWorkspace,  # int4_gemv's: float32 sums and arrival counters, all zero
     config: MmaConfig | None = None,
 ) -> torch.Tensor:
     """out (M, N) = x @ W. Callers (`int4_gemv`) pass tensors `int4_matmul` has checked and
@@ -368,25 +377,32 @@ def int4_mma(
     if k < 8:  # no packed row: an empty sum
         return out.zero_()
     tiles = triton.cdiv(n, cfg.block_n)
-    ws, cnt = workspace.get(x.device, m * n, tiles)
-    args = (
-        x, qweight, scales, zeros, out, ws, cnt, m, n, k,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-    )  # fmt: skip
+    block_m = 8 if m <= 8 else 16
     consts = dict(
-        GROUP_SIZE=group_size, BLOCK_M=8 if m <= 8 else 16, FP16=x.dtype == torch.float16,
+        GROUP_SIZE=group_size, BLOCK_M=block_m, FP16=x.dtype == torch.float16,
         WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks, EVEN_K=(k // 8) % (4 * cfg.blocks) == 0,
         EVEN_N=n % cfg.block_n == 0, num_warps=cfg.warps,
     )  # fmt: skip
+    args = [
+        x, qweight, scales, zeros, out, None, None, m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+    ]  # fmt: skip
     split = cfg.split_k
     if split == 0:  # as many programs as fit at once (one wave), work evened out
-        key = (x.device, *consts.values())
-        fit = _FIT.get(key)
-        if fit is None:  # compile once (any split above 1 has the same registers)
-            probe = _int4_mma_kernel.warmup(*args, grid=(1, 1), SPLIT_K=2, **consts)
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            fit = _FIT[key] = (programs_per_sm(probe, cfg.warps, x.device), sms)
-        per_sm, sms = fit
-        split = wave_split(cfg.steps(k), tiles, per_sm, sms, cfg.warps)
+
+        def fit(split: int) -> tuple[int, int]:  # compiled once per split
+            key = (x.device, split, *consts.values())
+            if key not in _FIT:
+                args[5:7] = _WORKSPACE.get(x.device, 1, 1)
+                probe = _int4_mma_kernel.warmup(*args, grid=(1, 1), SPLIT_K=split, **consts)
+                sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+                _FIT[key] = (programs_per_sm(probe, cfg.warps, x.device), sms)
+            return _FIT[key]
+
+        split = wave_split(cfg.steps(k), tiles, *fit(2), cfg.warps)
+        if split > 2:  # the last split's sum of the partials takes a few more registers
+            split = wave_split(cfg.steps(k), tiles, *fit(split), cfg.warps)
+    # the partial sums of every split of every column tile, and a counter per column tile
+    args[5:7] = _WORKSPACE.get(x.device, tiles * split * cfg.block_n * block_m, tiles)
     _int4_mma_kernel[(tiles, split)](*args, SPLIT_K=split, **consts)
     return out

@@ -75,9 +75,9 @@ def split_cost(steps: int, tiles: int, per_sm: int, sms: int, warps: int, split:
 @functools.lru_cache(maxsize=256)
 def wave_split(steps: int, tiles: int, per_sm: int, sms: int, warps: int) -> int:
     """The K split that `split_cost` says ends first (the smaller on a tie), among those of
-    at most two full waves. Against 18 sweeps on an H100 (4096 x 14336 both ways, M 4-16, 2
-    and 4 warps, two versions of `int4_mma`) its picks are within 3% of the fastest split in
-    17 and 4.5% in one; a fixed number of programs per SM was up to 30% off where the grid
+    at most two full waves. Against 24 sweeps on an H100 (4096 x 14336 both ways, M 4-16, 2
+    and 4 warps, three versions of `int4_mma`) its picks are within 3% of the fastest split in
+    23 and 4.5% in one; a fixed number of programs per SM was up to 30% off where the grid
     spilled a little past one wave."""
     limit = max(1, 2 * per_sm * sms // max(tiles, 1))
     candidates = range(1, min(steps, limit) + 1)
@@ -98,14 +98,20 @@ def launchable(kernel: JITFunction | InterpretedFunction) -> JITFunction | Inter
 
 
 class ZeroedWorkspace:
-    """Per-device float32 scratch and int32 arrival counters, all zeros between kernel calls
-    (the kernels that use them re-arm what they touch), grown on demand but never during
-    CUDA-graph capture: the first call at a size must come before capture."""
+    """Per-device float32 scratch and int32 arrival counters, allocated as zeros and grown on
+    demand but never during CUDA-graph capture: the first call at a size must come before
+    capture. The counters are zeros between kernel calls (the kernels re-arm what they
+    touch); so are the floats, except where the owner's kernels write them before reading
+    them (`int4_mma`'s split-K partial sums). Buffers replaced by a larger pair are kept: a
+    CUDA graph captured before the growth goes on using the pair it captured (the sizes a
+    split-K kernel needs need not grow with the batch, so a smaller batch's warm-up can grow
+    the workspace after a larger batch's graph was captured)."""
 
     def __init__(self, purpose: str) -> None:
         self._purpose = purpose
         self._lock = threading.Lock()
         self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def get(
         self, device: torch.device, numel: int, counters: int
@@ -118,6 +124,8 @@ class ZeroedWorkspace:
                         f"{self._purpose} workspace must grow during CUDA-graph capture: "
                         "run the captured shapes once before capturing"
                     )
+                if ws is not None and cnt is not None:
+                    self._replaced.append((ws, cnt))
                 ws = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
                 cnt = torch.zeros(max(counters, 1 << 14), dtype=torch.int32, device=device)
                 self._by_device[device] = (ws, cnt)

@@ -122,14 +122,19 @@ def test_int4_mma_compiles_to_register_only_operands(fp16, m, group, split) -> N
 def test_int4_mma_even_shapes_load_without_masks() -> None:
     """Where K is a whole number of steps and N of column tiles, no load is predicated (the
     prefetch after a program's last step repeats it, and x rows past M read row M - 1);
-    otherwise every load is masked."""
+    otherwise every load is masked. The split-K partial sums go out and come back 8 bytes at
+    a time, with plain stores and loads past L1, not atomics."""
     cfg = mma.MmaConfig(2, 2, 4, 3)
     for even in (True, False):
         ptx = _compile_sm90(False, 16, 128, cfg, even).asm["ptx"]
-        loads = re.findall(r"^\s*(@!?%p\d+\s+)?ld\.global", ptx, re.M)
+        loads = re.findall(r"^\s*(@!?%p\d+\s+)?ld\.global(?!\.cg)", ptx, re.M)
         assert len(loads) == 28  # 2 x (4 words, 8 x, a scale and a zero vector)
         masked = sum(1 for pred in loads if pred)
         assert masked == (0 if even else len(loads)), (even, masked)
+        # 16 sums per lane: 8 pairs stored, and read back from each of the 3 splits
+        assert len(re.findall(r"^\s*st\.global\.v2\.b32", ptx, re.M)) == 8
+        assert len(re.findall(r"ld\.global\.cg\.v2\.b32", ptx)) == 3 * 8
+        assert "atom.global.gpu.acq_rel.add" in ptx and "red.global" not in ptx
 
 
 def test_mma_config_validation_and_defaults() -> None:
@@ -145,8 +150,9 @@ def test_mma_config_validation_and_defaults() -> None:
 
 # Measured on an H100 (132 SMs), microseconds per split, `int4_mma` on 4096 x 14336 weights
 # (group 128) both ways: (steps, tiles, programs per SM, warps) for M = 4, 8, 16. The first
-# twelve timed the kernel of the eighth session, the last six the one with mask-free loads
-# (ninth session); a single run's timings move by about 0.5 us.
+# twelve timed the kernel of the eighth session, the next six the one with mask-free loads
+# (ninth session), the last six the one whose splits store their partial sums rather than
+# add them atomically (tenth); a single run's timings move by about 0.5 us.
 SWEEPS = [
     (32, 224, 9, 2, {2: 18.9, 3: 16.7, 4: 15.9, 5: 17.1, 6: 18.8, 8: 18.7, 12: 19.2, 16: 21.0}),
     (32, 112, 4, 4, {2: 18.8, 3: 16.6, 4: 16.0, 5: 17.0, 6: 18.9, 8: 18.7}),
@@ -172,6 +178,18 @@ SWEEPS = [
                      12: 17.3, 13: 17.2, 14: 17.4, 16: 17.6, 20: 22.0, 24: 22.2}),
     (112, 64, 6, 2, {2: 45.3, 3: 33.1, 4: 27.0, 5: 24.3, 6: 22.4, 8: 21.1, 10: 21.1, 11: 20.2,
                      12: 21.1, 13: 23.3, 14: 27.9, 16: 28.2, 20: 26.6, 24: 27.1}),
+    (32, 224, 8, 2, {2: 17.9, 3: 15.9, 4: 15.2, 5: 16.5, 6: 18.1, 8: 17.6, 10: 17.8, 11: 18.2,
+                     12: 18.4, 13: 18.9, 14: 18.6, 16: 20.5, 20: 21.6, 24: 23.3}),
+    (32, 224, 8, 2, {2: 18.0, 3: 15.9, 4: 15.4, 5: 16.8, 6: 18.4, 8: 18.2, 10: 18.5, 11: 18.8,
+                     12: 18.9, 13: 19.1, 14: 19.0, 16: 21.0, 20: 22.0, 24: 24.0}),
+    (32, 224, 6, 2, {2: 19.9, 3: 18.0, 4: 22.4, 5: 21.8, 6: 22.4, 8: 23.3, 10: 24.3, 11: 24.7,
+                     12: 25.1, 13: 26.1, 14: 27.4, 16: 29.1, 20: 32.2, 24: 36.1}),
+    (112, 64, 8, 2, {4: 23.9, 5: 21.2, 6: 19.3, 8: 17.1, 10: 16.5, 11: 16.2, 12: 15.8, 13: 15.4,
+                     14: 15.4, 16: 15.3, 20: 18.4, 24: 18.3}),
+    (112, 64, 8, 2, {4: 24.0, 5: 21.4, 6: 19.4, 8: 17.2, 10: 16.6, 11: 16.3, 12: 16.0, 13: 15.6,
+                     14: 15.5, 16: 15.6, 20: 18.7, 24: 18.7}),
+    (112, 64, 6, 2, {4: 26.2, 5: 23.5, 6: 21.7, 8: 19.5, 10: 19.5, 11: 18.6, 12: 18.4, 13: 20.1,
+                     14: 23.2, 16: 23.0, 20: 23.1, 24: 23.9}),
 ]  # fmt: skip
 
 
@@ -188,6 +206,26 @@ def test_wave_split_is_near_the_fastest_measured_split() -> None:
     # and unrestricted, the picks of the larger sweeps are the measured best
     assert wave_split(112, 64, 8, 132, 2) in (12, 16)
     assert wave_split(32, 224, 9, 132, 2) == 4
+
+
+def test_grown_workspace_keeps_the_buffers_it_replaced() -> None:
+    """A CUDA graph captured before the workspace grew goes on using the buffers it captured,
+    so growing must not free them."""
+    import gc
+    import weakref
+
+    from llmfleet.kernels.triton_utils import ZeroedWorkspace
+
+    work = ZeroedWorkspace("test")
+    cpu = torch.device("cpu")
+    ws, cnt = work.get(cpu, 10, 4)
+    assert ws.numel() >= 10 and cnt.numel() >= 4 and not ws.any() and not cnt.any()
+    assert work.get(cpu, 10, 4)[0] is ws  # no growth, the same pair
+    refs = weakref.ref(ws), weakref.ref(cnt)
+    del ws, cnt
+    grown, _ = work.get(cpu, 3 << 20, 4)
+    gc.collect()
+    assert grown.numel() >= 3 << 20 and all(r() is not None for r in refs)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 7, 32, 112, 448])
@@ -240,8 +278,9 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ],
 )
 def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
-    """Against the float32 reference on fresh data, twice (split-K sums meet by atomics: a
-    race would show as a moving error), with the workspace back to zeros afterwards."""
+    """Against the float32 reference on fresh data, twice, and bit for bit the same when run
+    again (the last split to arrive adds the partial sums in split order, whatever the order
+    of arrival), with the arrival counters back to zero afterwards."""
     torch.manual_seed(m * 1000 + n)
     qweight, scales, zeros = random_int4(k, n, group, dtype)
     for _ in range(2):
@@ -250,8 +289,34 @@ def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
         out = gv.int4_gemv(x, qweight, scales, zeros, group, config=cfg)
         assert out.shape == (m, n) and out.dtype == dtype
         assert _rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-2)
-    ws, counters = gv._WORKSPACE.get(torch.device("cuda"), 0, 0)
-    assert ws.abs().max().item() == 0 and counters.abs().max().item() == 0
+        again = gv.int4_gemv(x, qweight, scales, zeros, group, config=cfg)
+        assert torch.equal(out, again)
+    _, counters = mma._WORKSPACE.get(torch.device("cuda"), 0, 0)
+    assert counters.abs().max().item() == 0
+
+
+@pytest.mark.gpu
+def test_int4_mma_graph_replays_after_the_workspace_grew() -> None:
+    """A graph captured on the first workspace still gives the right product after a larger
+    call replaced the workspace (the engine warms and captures the largest batch first)."""
+    qweight, scales, zeros = random_int4(4096, 1024, 128, torch.bfloat16)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    out = gv.int4_gemv(x, qweight, scales, zeros, 128)  # warm-up: compiles, sizes the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gv.int4_gemv(x, qweight, scales, zeros, 128)
+    before = mma._WORKSPACE.get(x.device, 0, 0)[0]
+    big = random_int4(14336, 4096, 128, torch.bfloat16)
+    xb = torch.randn(12, 14336, device="cuda", dtype=torch.bfloat16)
+    gv.int4_gemv(xb, *big, 128, config=mma.MmaConfig(2, 2, 4, 40))  # 2.6 M partial sums
+    assert mma._WORKSPACE.get(x.device, 0, 0)[0] is not before  # it did grow
+    torch.cuda.empty_cache()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = ip.int4_matmul_ref(x, qweight, scales, zeros, 128)
+        assert _rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
