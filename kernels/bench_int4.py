@@ -4,8 +4,9 @@
 
 For every shape (N, K) of a 4096 x 14336 weight in both orientations and M in 1, 4, 16, each
 candidate is first checked against the float32 reference (dequantize, then matmul) on fresh
-random data, twice (split-K sums meet through atomics: a race would show as a moving error),
-and the split-K workspace must be all zeros afterwards. Then it is timed as the median of
+random data, twice (a race between the splits of K would show as a moving error), and the
+split-K arrival counters (and `int4_gemv`'s atomically added sums) must be all zeros
+afterwards. Then it is timed as the median of
 CUDA-graph replays. The weights rotate over enough copies to exceed L2 (a 4096 x 14336 INT4
 weight is 31 MB and would otherwise stay in a 50 MB L2 between replays), and the bf16 baseline
 `x @ w.t()` rotates the same way. GB/s counts weight, scales, zeros, x and out once.
@@ -72,6 +73,9 @@ def check(run, weights, m: int, k: int, dtype: torch.dtype, group: int) -> float
     for ws, cnt in gv._WORKSPACE._by_device.values():
         if ws.abs().max().item() != 0 or cnt.abs().max().item() != 0:
             return float("inf")  # the workspace was not re-armed
+    for _, cnt in mma._WORKSPACE._by_device.values():  # its sums are scratch, not re-armed
+        if cnt.abs().max().item() != 0:
+            return float("inf")
     return worst
 
 
