@@ -34,11 +34,12 @@ and x rows past M read row M - 1, so where K is a whole number of steps and N of
 (`EVEN_K`, `EVEN_N`: with the default shape, K a multiple of 128 and N of 64, as in the
 projections of 8B-class models; not SmolLM2's hidden 576) no load carries a mask. Each
 column's scale and negated zero are paired into a bf16x2 register once per step, not once per
-word. With split-K, every program stores its partial sums to a scratch slab of its own, as
-they lie in registers (8-byte stores, no atomics: float32 atomic adds of the 16 x 64 sums took
-a quarter of the time at M = 16); the last program of a column tile to arrive adds the slabs
-in split order, so the result does not depend on the order of arrival (slabs and counters are
-per device, so calls on one device must be ordered: one stream, as the engine runs). The split
+word. With split-K, every program stores its partial sums to a scratch slab of its own, with
+16-byte stores (the sums renamed in registers so that each lane holds four consecutive), not
+atomics (float32 atomic adds of the 16 x 64 sums took a quarter of the time at M = 16); the
+last program of a column tile to arrive adds the slabs in split order, so the result does not
+depend on the order of arrival (slabs and counters are per device, so calls on one device
+must be ordered: one stream, as the engine runs). The split
 is chosen per call (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on
 an SM, so that the grid does not spill a few programs into a second wave
 (`triton_utils.wave_split`).
@@ -158,6 +159,15 @@ if HAVE_GLUON:
         lanes = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
         warp_bases = [[0, 0] for _ in range(int(math.log2(warps)))]
         return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [block_m, 32 * blocks])
+
+    @gluon.constexpr_function
+    def _flat_layout(warps, rep, nt):
+        """(16 WARPS REP x 8 NT,) output sums in `_int4_mma_kernel`'s flat order: 4 consecutive
+        per lane, lanes (g, t) 4 apart, then each lane's register quads, then warps."""
+        regs = [[1], [2]] + [[128 << i] for i in range(int(math.log2(nt * rep)))]
+        lanes = [[4], [8], [16], [32], [64]]
+        warp_bases = [[128 * nt * rep << i] for i in range(int(math.log2(warps)))]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [128 * nt * rep * warps])
 
     @gluon.jit
     def _weights_operand(words, s, z, a_layout: gl.constexpr, FP16: gl.constexpr,
@@ -293,29 +303,36 @@ if HAVE_GLUON:
             acc = mma_v2(a, _x_operand(xt, b_l, BLOCK_M, BLOCKS), acc)
             words, s, z, xt = nxt_words, nxt_s, nxt_z, nxt_x
 
-        row = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))  # tile row -> real column
-        n = (pid_n * BN + (row // 16) % WARPS * (16 * REP) + (row % 8) * (2 * REP)
-             + (row // (16 * WARPS)) * 2 + (row // 8) % 2)  # fmt: skip
-        m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        o_mask = (m[None, :] < M) & (n[:, None] < N)
-        o_off = m[None, :].to(gl.int64) * stride_om + n[:, None]
+        # the sums, renamed in registers into a flat order where each lane holds 4 consecutive
+        # (16-byte stores and loads of the partial sums) and consecutive lanes hold the next 4:
+        # tile rows (rep, w, h8, g) and columns (nt, t, c) -> (w, rep, nt, g, t, h8, c)
+        tile: gl.constexpr = BN * BLOCK_M
+        NT: gl.constexpr = BLOCK_M // 8
+        fl: gl.constexpr = _flat_layout(WARPS, REP, NT)
+        sums = acc.reshape([REP, WARPS, 2, 8, NT, 4, 2]).permute([1, 0, 4, 3, 5, 2, 6])
+        sums = gl.convert_layout(sums.reshape([tile]), fl, assert_trivial=True)
+        f = gl.arange(0, tile, layout=fl)
+        rep = (f // (128 * NT)) % REP
+        n = (pid_n * BN + (f // (128 * NT * REP)) * (16 * REP) + ((f // 16) % 8) * (2 * REP)
+             + rep * 2 + (f // 2) % 2)  # fmt: skip
+        m = 8 * ((f // 128) % NT) + 2 * ((f // 4) % 4) + f % 2
+        o_mask = (m < M) & (n < N)
+        o_off = m.to(gl.int64) * stride_om + n
         if SPLIT_K == 1:
-            gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+            gl.store(out_ptr + o_off, sums.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
-            # each split stores its partial sums as they lie in registers (plain 8-byte stores:
+            # each split stores its partial sums to a slab of its own (plain 16-byte stores:
             # atomics cost 6 us of 22 at M = 16); the last to arrive adds them in split order
-            tile: gl.constexpr = BN * BLOCK_M
-            p_off = row[:, None] * BLOCK_M + m[None, :]
             slab = ws_ptr + pid_n.to(gl.int64) * (SPLIT_K * tile)
-            gl.store(slab + pid_k * tile + p_off, acc)
+            gl.store(slab + pid_k * tile + f, sums)
             _barrier()  # every thread's stores are issued before the counter's release
             counter = cnt_ptr + pid_n
             arrived = gl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:  # the last split of this column tile
                 _barrier()
-                total = gl.zeros_like(acc)
+                total = gl.zeros_like(sums)
                 for i in gl.static_range(SPLIT_K):  # all loads in flight at once; past L1
-                    total += gl.load(slab + i * tile + p_off, cache_modifier=".cg")
+                    total += gl.load(slab + i * tile + f, cache_modifier=".cg")
                 gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=o_mask)
                 gl.store(counter, 0)
 

@@ -122,7 +122,7 @@ def test_int4_mma_compiles_to_register_only_operands(fp16, m, group, split) -> N
 def test_int4_mma_even_shapes_load_without_masks() -> None:
     """Where K is a whole number of steps and N of column tiles, no load is predicated (the
     prefetch after a program's last step repeats it, and x rows past M read row M - 1);
-    otherwise every load is masked. The split-K partial sums go out and come back 8 bytes at
+    otherwise every load is masked. The split-K partial sums go out and come back 16 bytes at
     a time, with plain stores and loads past L1, not atomics."""
     cfg = mma.MmaConfig(2, 2, 4, 3)
     for even in (True, False):
@@ -131,9 +131,10 @@ def test_int4_mma_even_shapes_load_without_masks() -> None:
         assert len(loads) == 28  # 2 x (4 words, 8 x, a scale and a zero vector)
         masked = sum(1 for pred in loads if pred)
         assert masked == (0 if even else len(loads)), (even, masked)
-        # 16 sums per lane: 8 pairs stored, and read back from each of the 3 splits
-        assert len(re.findall(r"^\s*st\.global\.v2\.b32", ptx, re.M)) == 8
-        assert len(re.findall(r"ld\.global\.cg\.v2\.b32", ptx)) == 3 * 8
+        # 16 sums per lane: 4 quads stored, and read back from each of the 3 splits
+        assert len(re.findall(r"^\s*st\.global\.v4\.b32", ptx, re.M)) == 4
+        assert len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)) == 3 * 4
+        assert not re.search(r"^\s*st\.global\.v2", ptx, re.M)
         assert "atom.global.gpu.acq_rel.add" in ptx and "red.global" not in ptx
 
 
