@@ -46,10 +46,11 @@ an SM, so that the grid does not spill a few programs into a second wave
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
 `int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
-15.0-18.2 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
-41-45 us for the bf16 matmul; M = 16 in 18.0-21.9 us, where the SMs, not DRAM, are the limit:
-2.7 resident warps per scheduler, the integer pipe (nibble shifts, masks, x pairing) the
-busiest, and stalls spread over loads, fixed latencies and that pipe.
+15.1-18.2 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
+41-45 us for the bf16 matmul; M = 16 in 17.8-21.7 us. Neither fewer instructions per step
+(no x pairing, no register copies between steps) nor a deeper load pipeline (words, scales
+and x through shared memory, 2-4 stages) made it faster; the split-K epilogue's chain of
+stores, release, counter and reads is what the 16-byte slabs shortened.
 """
 
 from __future__ import annotations
