@@ -39,10 +39,9 @@ word. With split-K, every program stores its partial sums to a scratch slab of i
 atomics (float32 atomic adds of the 16 x 64 sums took a quarter of the time at M = 16); the
 last program of a column tile to arrive adds the slabs in split order, so the result does not
 depend on the order of arrival (slabs and counters are per device, so calls on one device
-must be ordered: one stream, as the engine runs). The split
-is chosen per call (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on
-an SM, so that the grid does not spill a few programs into a second wave
-(`triton_utils.wave_split`).
+must be ordered: one stream, as the engine runs). The split is chosen per call
+(`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
+the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
 `int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
