@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).parent / "configs" / "gemv"
@@ -51,7 +51,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped: the loads need no row mask
@@ -162,11 +164,12 @@ def gemv(
         return out.zero_() if bias is None else out.copy_(bias[None, :])
     cfg = config or get_config(n, k, x.dtype, x.device)
     grid = (triton.cdiv(n, cfg.block_n),)
+    chained = pdl(x.device)
     launchable(_gemv_kernel)[grid](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=chained,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=chained,
     )  # fmt: skip
     return out
 

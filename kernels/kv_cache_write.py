@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 
 @triton.jit
@@ -37,8 +37,10 @@ def _kv_cache_write_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
     BLOCK_H: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     # One program per new token: copies all its kv heads, K and V.
+    pdl_start(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok)
     if slot < 0:
@@ -104,7 +106,9 @@ def kv_cache_write(
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        PDL=pdl(k.device),
         num_warps=4,
+        launch_pdl=pdl(k.device),
     )
 
 

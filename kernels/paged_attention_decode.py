@@ -43,6 +43,8 @@ from llmfleet.kernels.triton_utils import (
     check_q_and_kv_cache,
     interpreting,
     launchable,
+    pdl,
+    pdl_start,
 )
 
 LOG2E = 1.4426950408889634
@@ -84,7 +86,9 @@ def _decode_partial_kernel(
     CACHE_BLOCK: tl.constexpr,  # tokens per cache block (power of two)
     BLOCK_N: tl.constexpr,  # tokens per inner iteration
     SINGLE_PARTITION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -153,7 +157,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the first kernel's tile (partition sizes are multiples of it)
     BLOCK_P: tl.constexpr,  # next power of two >= num_parts
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -297,6 +303,7 @@ def paged_attention_decode(
         part_ml = torch.empty(
             (2, num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device
         )
+    chained = pdl(q.device)
     launchable(_decode_partial_kernel)[(num_seqs, num_kv_heads, num_parts)](
         q,
         kv_cache,
@@ -325,8 +332,10 @@ def paged_attention_decode(
         CACHE_BLOCK=cache_block,
         BLOCK_N=cfg.block_n,
         SINGLE_PARTITION=single,
+        PDL=chained,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=chained,
     )
     if not single:
         launchable(_decode_reduce_kernel)[(num_seqs, num_heads)](
@@ -343,7 +352,9 @@ def paged_attention_decode(
             HEAD_DIM=head_dim,
             BLOCK_N=cfg.block_n,
             BLOCK_P=triton.next_power_of_2(num_parts),
+            PDL=chained,
             num_warps=4,
+            launch_pdl=chained,
         )
     return out
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 
 @triton.jit
@@ -30,7 +30,9 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= HIDDEN: one row lives in registers
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -83,7 +85,9 @@ def rms_norm(
             HIDDEN=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            PDL=pdl(x.device),
             num_warps=min(max(block // 256, 1), 16),
+            launch_pdl=pdl(x.device),
         )
     return (out, new_res) if residual is not None else out
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 
 @triton.jit
@@ -41,7 +41,9 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,  # next power of two >= NUM_Q_HEADS
     BLOCK_HK: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     BLOCK_R: tl.constexpr,  # next power of two >= HALF
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok)
     r = tl.arange(0, BLOCK_R)[None, :]
@@ -110,7 +112,9 @@ def rotary_embedding(
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_R=triton.next_power_of_2(half),
+        PDL=pdl(q.device),
         num_warps=4,
+        launch_pdl=pdl(q.device),
     )
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 
 @triton.jit
@@ -21,7 +21,9 @@ def _silu_and_mul_kernel(
     stride_x,  # elements between rows of x
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,  # columns of out per program
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -45,9 +47,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens > 0 and inter > 0:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (num_tokens, triton.cdiv(inter, block))
+        chained = pdl(x.device)
         launchable(_silu_and_mul_kernel)[grid](
-            x, out, x.stride(0), INTER=inter, BLOCK=block, num_warps=4
-        )
+            x, out, x.stride(0), INTER=inter, BLOCK=block, PDL=chained, num_warps=4,
+            launch_pdl=chained,
+        )  # fmt: skip
     return out
 
 

@@ -11,13 +11,17 @@ kernel test modules do this on machines without CUDA).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -35,6 +39,49 @@ def nvidia_sm80() -> bool:
     if torch.version.hip is not None or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability() >= (8, 0)
+
+
+_pdl_allowed = True
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_device(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (PDL): NVIDIA
+    sm_90 and later, compiled (not interpreted), unless `programmatic_launch(False)` is in
+    force. A PDL kernel starts with `pdl_start(PDL)`, and its launch passes `launch_pdl`."""
+    if device.type != "cuda" or interpreting() or not _pdl_allowed:
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool) -> Iterator[None]:
+    """Turn PDL launches off (or back on) for the calls made inside: for A/B benchmarks and for
+    tests that compare the two. Process-wide; not for use while other threads launch."""
+    global _pdl_allowed
+    before, _pdl_allowed = _pdl_allowed, enabled
+    try:
+        yield
+    finally:
+        _pdl_allowed = before
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """The first statement of a kernel that may be launched with PDL. It lets the next kernel
+    in the stream launch as soon as every program of this one has started (its programs then
+    wait here in turn), and waits until the kernel before this one has finished and its writes
+    are visible. Every program runs it before touching global memory: a kernel's completion
+    then implies its predecessor's, so stream order holds for all later kernels, PDL or not.
+    Decode steps are chains of short kernels; on an H200 this saved about 0.5 us per kernel
+    boundary (docs/benchmarks.md)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def even_split(steps: int, tiles: int, per_sm: float) -> int:
