@@ -9,6 +9,7 @@ two paths agree on arguments and results.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import llmfleet.kernels.gemv as _gemv
 import llmfleet.kernels.int4_matmul as _i4
@@ -21,6 +22,7 @@ import llmfleet.kernels.rms_norm as _rms
 import llmfleet.kernels.rotary as _rot
 import llmfleet.kernels.scaled_mm as _smm
 import llmfleet.kernels.silu_and_mul as _silu
+import llmfleet.kernels.skinny_gemm as _skinny
 from llmfleet.kernels.triton_utils import interpreting
 
 
@@ -100,14 +102,31 @@ def rotary_embedding(
     fn(positions, q, k, cos_sin_cache)
 
 
-def gemv(
-    x: torch.Tensor,  # (1, K)
+def decode_linear(
+    x: torch.Tensor,  # (M, K)
     weight: torch.Tensor,  # (N, K)
     bias: torch.Tensor | None = None,
     force_triton: bool = False,
-) -> torch.Tensor:  # (1, N)
-    fn = _gemv.gemv if use_triton(x, force_triton) else _gemv.gemv_ref
-    return fn(x, weight, bias)
+) -> torch.Tensor:  # (M, N)
+    """x @ weight.T (+ bias) at decode batch sizes, for 16-bit x and weight of one dtype (the
+    weight unit-stride along K): one row runs the GEMV; 2..MAX_M rows run the skinny GEMM
+    where this device's tuned file says it beat cuBLAS for the shape. Everything else (and
+    everything off the GPU) runs `F.linear`."""
+    m, k = x.shape
+    if (
+        not use_triton(x, force_triton)
+        or not 1 <= m <= _skinny.MAX_M
+        or x.dtype not in (torch.float16, torch.bfloat16)
+        or weight.dtype != x.dtype
+        or weight.stride(-1) != 1
+    ):
+        return F.linear(x, weight, bias)
+    if m == 1:
+        return _gemv.gemv(x, weight, bias)
+    cfg = _skinny.choose(m, weight.shape[0], k, x.dtype, x.device)
+    if cfg is None or x.stride(1) != 1:
+        return F.linear(x, weight, bias)
+    return _skinny.skinny_gemm(x, weight, bias, cfg)
 
 
 def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:

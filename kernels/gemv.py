@@ -14,20 +14,14 @@ there is no workspace or atomic, and the result is deterministic.
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
-
-logger = logging.getLogger(__name__)
-CONFIG_DIR = Path(__file__).parent / "configs" / "gemv"
+from llmfleet.kernels.tuned_configs import TunedConfigs
 
 
 @dataclass(frozen=True)
@@ -83,56 +77,12 @@ def default_gemv_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=1)
 
 
-def config_file_name(device_name: str, dtype: torch.dtype) -> str:
-    device = device_name.replace(" ", "_")
-    return f"device_name={device},dtype={str(dtype).removeprefix('torch.')}.json"
-
-
-@functools.lru_cache(maxsize=16)
-def load_configs(device_name: str, dtype: torch.dtype) -> dict[tuple[int, int], GemvConfig]:
-    """Tuned configs {(N, K): config} for this device and dtype (`bench_gemv --save` writes
-    them); empty when no file exists."""
-    path = CONFIG_DIR / config_file_name(device_name, dtype)
-    if not path.is_file():
-        return {}
-    with path.open() as f:
-        raw = json.load(f)
-    logger.info("gemv: using tuned configs %s", path.name)
-    return {_shape_key(key): GemvConfig(**cfg) for key, cfg in raw.items()}
-
-
-def save_configs(
-    device_name: str, dtype: torch.dtype, configs: dict[tuple[int, int], GemvConfig]
-) -> Path:
-    """Merge `configs` into this device's file (shapes already there are replaced)."""
-    path = CONFIG_DIR / config_file_name(device_name, dtype)
-    table = dict(load_configs(device_name, dtype))
-    table.update(configs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = {f"{n},{k}": asdict(cfg) for (n, k), cfg in sorted(table.items())}
-    path.write_text(json.dumps(raw, indent=1) + "\n")
-    load_configs.cache_clear()
-    return path
-
-
-def _shape_key(key: str) -> tuple[int, int]:
-    n, k = key.split(",")
-    return int(n), int(k)
+TUNED = TunedConfigs("gemv", GemvConfig)  # keys (N, K); `bench_gemv --save` writes them
 
 
 def get_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
     """The tuned config of this shape on this device, else `default_gemv_config`."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        tuned = load_configs(_device_name(index), dtype).get((n, k))
-        if tuned is not None:
-            return tuned
-    return default_gemv_config(n, k)
-
-
-@functools.lru_cache(maxsize=16)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)  # looked up once: gemv runs per projection
+    return TUNED.get(device, dtype, (n, k), None) or default_gemv_config(n, k)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

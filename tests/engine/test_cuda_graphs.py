@@ -132,3 +132,34 @@ def test_bf16_graph_logits_close_to_eager(arch, make_checkpoint_module):
     assert replayed.shape == eager.shape == (5, model.info.vocab_size)
     scale = eager.abs().max().item()
     assert (replayed - eager).abs().max().item() <= 0.02 * scale
+
+
+def test_bf16_skinny_gemm_decode_close_to_cublas(make_checkpoint_module, monkeypatch):
+    """Decode batches of 2..64 rows run the skinny GEMM where the tuned file says so (the tiny
+    model's shapes are not in it: here every shape is sent to it). Its graphs give the first
+    decode step's logits of an engine on cuBLAS, to bf16 rounding."""
+    from llmfleet.kernels import skinny_gemm as sg
+
+    model = load_model(
+        str(make_checkpoint_module("llama")), dtype=torch.bfloat16, device="cuda", progress=False
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    logits = []
+    calls = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(
+                sg, "choose", lambda m, n, k, *_: calls.append(m) or sg.default_config(m, n, k)
+            )
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", **CFG), model)
+        for i, p in enumerate(ragged_prompts(model.info.vocab_size, 5)):
+            engine.add_request(f"r{i}", p, params)
+        engine.step()  # prefill
+        sched = engine.scheduler.schedule()
+        logits.append(engine.runner.execute(sched).logits.clone())
+        assert engine.runner.decode_graphs is not None
+        assert engine.runner.decode_graphs.num_replays == 1
+    assert calls and set(calls) <= set(range(2, 65))  # captured graphs went through it
+    cublas, skinny = logits
+    assert skinny.shape == cublas.shape == (5, model.info.vocab_size)
+    assert (skinny - cublas).abs().max().item() <= 0.02 * cublas.abs().max().item()

@@ -68,20 +68,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, except one 16-bit row on CUDA (a decode step at batch 1): that runs the
-    Triton GEMV (kernels/gemv.py), which streams the weight faster than cuBLAS does at M = 1
-    on every Llama-3-8B projection shape (docs/benchmarks.md)."""
-    if (
-        x.is_cuda
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and weight.stride(-1) == 1
-    ):
+    """`F.linear`, except up to 64 16-bit rows on CUDA (decode steps): one row runs the Triton
+    GEMV (kernels/gemv.py), which streams the weight faster than cuBLAS at M = 1 on every
+    Llama-3-8B projection shape; 2..64 rows run the skinny GEMM (kernels/skinny_gemm.py) on
+    the shapes where this GPU's tuned file says it beat cuBLAS (docs/benchmarks.md)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= 64:
         from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
 
-        return dispatch.gemv(x, weight, bias)
+        return dispatch.decode_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
