@@ -150,9 +150,10 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Untuned choice: 128 weight rows per program, split to about one program per SM of a
-    132-SM part (within 5% of the fastest candidate on Llama-3-8B's projections on an H200,
-    where those won; docs/benchmarks.md)."""
+    """For a call with no config whose shape has no tuned entry: 128 weight rows per program,
+    split to about one program per SM of a 132-SM part. The fastest candidate varies with the
+    shape and the batch: on an H200 this was within 5% of it on Llama-3-8B's projections at
+    M = 16, but 9-25% off on the q/k/v, o and down shapes at M = 64 (scratch sweep)."""
     return SkinnyConfig(128, 128, split_for(n, k, 128, 128, 132))
 
 
