@@ -29,12 +29,13 @@ import functools
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from llmfleet.kernels import gemv as gv
 from llmfleet.kernels import skinny_gemm as sg
 from llmfleet.kernels.bench_attention import copy_bandwidth
 from llmfleet.kernels.bench_int4 import bench, rel_err, rotating
-from llmfleet.kernels.triton_utils import programmatic_launch
+from llmfleet.kernels.triton_utils import even_split, programmatic_launch
 
 PROJECTIONS = {
     "q/k/v": (6144, 4096),
@@ -105,8 +106,9 @@ def skinny_candidates(n: int, k: int, quick: bool) -> list[sg.SkinnyConfig]:
         shapes = shapes[:2]
     out = set()
     for bn, bk, warps, stages in shapes:
-        for programs in (132, 264, 396):  # about 1, 2, 3 per SM of a 132-SM part
-            out.add(sg.SkinnyConfig(bn, bk, sg.split_for(n, k, bn, bk, programs), warps, stages))
+        for per_sm in (1, 2, 3):  # programs per SM of a 132-SM part
+            split = even_split(triton.cdiv(k, bk), triton.cdiv(n, bn), per_sm)
+            out.add(sg.SkinnyConfig(bn, bk, split, warps, stages))
     return sorted(out, key=lambda c: (c.block_n, c.block_k, c.split_k))
 
 

@@ -88,6 +88,7 @@ def kv_cache_write(
     if num_tokens == 0:
         return
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    chained = pdl(k.device)
     launchable(_kv_cache_write_kernel)[(num_tokens,)](
         k,
         v,
@@ -106,9 +107,9 @@ def kv_cache_write(
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        PDL=pdl(k.device),
+        PDL=chained,
         num_warps=4,
-        launch_pdl=pdl(k.device),
+        launch_pdl=chained,
     )
 
 

@@ -73,6 +73,7 @@ def rms_norm(
         check_last_dim_contiguous("residual", residual)
     if num_tokens > 0:
         block = triton.next_power_of_2(hidden)
+        chained = pdl(x.device)
         launchable(_rms_norm_kernel)[(num_tokens,)](
             x,
             residual if residual is not None else x,
@@ -85,9 +86,9 @@ def rms_norm(
             HIDDEN=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
-            PDL=pdl(x.device),
+            PDL=chained,
             num_warps=min(max(block // 256, 1), 16),
-            launch_pdl=pdl(x.device),
+            launch_pdl=chained,
         )
     return (out, new_res) if residual is not None else out
 

@@ -97,6 +97,7 @@ def rotary_embedding(
     half = cache.shape[1] // 2
     if num_tokens == 0:
         return
+    chained = pdl(q.device)
     launchable(_rotary_kernel)[(num_tokens,)](
         positions,
         q,
@@ -112,9 +113,9 @@ def rotary_embedding(
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_R=triton.next_power_of_2(half),
-        PDL=pdl(q.device),
+        PDL=chained,
         num_warps=4,
-        launch_pdl=pdl(q.device),
+        launch_pdl=chained,
     )
 
 

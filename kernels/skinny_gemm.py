@@ -32,6 +32,7 @@ import triton.language as tl
 from llmfleet.kernels.triton_utils import (
     ZeroedWorkspace,
     check_last_dim_contiguous,
+    even_split,
     interpreting,
     launchable,
     pdl,
@@ -140,21 +141,12 @@ def block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
-    """The K split that brings the column tiles to about `programs` programs, evened out so
-    that every split has work."""
-    tiles = triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, block_k)
-    split = max(1, min(steps, round(programs / tiles)))
-    return triton.cdiv(steps, triton.cdiv(steps, split))
-
-
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """For a call with no config whose shape has no tuned entry: 128 weight rows per program,
     split to about one program per SM of a 132-SM part. The fastest candidate varies with the
     shape and the batch: on an H200 this was within 5% of it on Llama-3-8B's projections at
     M = 16, but 9-25% off on the q/k/v, o and down shapes at M = 64 (scratch sweep)."""
-    return SkinnyConfig(128, 128, split_for(n, k, 128, 128, 132))
+    return SkinnyConfig(128, 128, even_split(triton.cdiv(k, 128), triton.cdiv(n, 128), 1))
 
 
 def m_bucket(m: int) -> int:

@@ -20,7 +20,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from llmfleet.kernels import gemv as gemv_module  # noqa: E402
 from llmfleet.kernels.gemv import GemvConfig, gemv, gemv_ref  # noqa: E402
-from llmfleet.kernels.tuned_configs import TunedConfigs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,31 +61,9 @@ def test_gemv_rejects_what_it_cannot_serve() -> None:
         gemv(x[:1], torch.randn(16, 4, device=DEVICE).t())
 
 
-def test_tuned_configs_round_trip_per_device(tmp_path) -> None:
-    tuned = TunedConfigs("gemv", GemvConfig)
-    tuned.directory = tmp_path
-    device = "NVIDIA H100 80GB HBM3"
-    assert tuned.load(device, torch.bfloat16) == {}
-    a, b = GemvConfig(4, 1024, 4, 1), GemvConfig(16, 256, 4, 3)
-    tuned.save(device, torch.bfloat16, {(6144, 4096): a})
-    path = tuned.save(device, torch.bfloat16, {(28672, 4096): b})
-    assert path.name == "device_name=NVIDIA_H100_80GB_HBM3,dtype=bfloat16.json"
-    assert tuned.load(device, torch.bfloat16) == {(6144, 4096): a, (28672, 4096): b}
-    assert tuned.load(device, torch.float16) == {}  # per dtype
-    # Off CUDA there is nothing tuned to look up: the untuned default.
-    cpu = torch.device("cpu")
+def test_untuned_default_off_cuda() -> None:
+    cpu = torch.device("cpu")  # nothing tuned to look up
     assert gemv_module.get_config(6144, 4096, torch.bfloat16, cpu) == GemvConfig(8, 512, 4, 1)
-
-
-def test_shipped_tuned_files_load() -> None:
-    """Every file the package ships parses into configs under its own device's name."""
-    files = sorted(gemv_module.TUNED.directory.glob("*.json"))
-    assert files
-    for path in files:
-        device = path.name.removeprefix("device_name=").split(",dtype=")[0].replace("_", " ")
-        assert TunedConfigs.file_name(device, torch.bfloat16) == path.name
-        table = gemv_module.TUNED.load(device, torch.bfloat16)
-        assert table and all(isinstance(c, GemvConfig) for c in table.values())
 
 
 @pytest.mark.gpu

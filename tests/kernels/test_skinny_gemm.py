@@ -109,16 +109,6 @@ def test_choose_reads_the_tuned_file_per_batch_bucket(tmp_path, monkeypatch) -> 
     assert sg.choose(8, 4096, 4096, torch.bfloat16, torch.device("cpu")) is None
 
 
-def test_shipped_tuned_files_load() -> None:
-    files = sorted(sg.TUNED.directory.glob("*.json"))
-    assert files
-    for path in files:
-        device = path.name.removeprefix("device_name=").split(",dtype=")[0].replace("_", " ")
-        table = sg.TUNED.load(device, torch.bfloat16)
-        assert table and all(len(key) == 3 for key in table)
-        assert all(c is None or isinstance(c, SkinnyConfig) for c in table.values())
-
-
 def test_decode_linear_routes_by_batch(monkeypatch) -> None:
     """One row takes the GEMV; 2..64 rows the skinny GEMM where `choose` names a config, and
     `F.linear` where it does not."""
