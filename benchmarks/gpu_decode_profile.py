@@ -1,6 +1,6 @@
 """Where a decode step of the Llama-3-8B-shaped model goes, on one GPU.
 
-    python3 benchmarks/gpu_decode_profile.py [--gemm] [--min-partition N]
+    python3 benchmarks/gpu_decode_profile.py [--gemm] [--min-partition N] [--top N] [--no-pdl]
 
 For batch 1 (context ~160) and batch 64 (context ~1024), with the model and engine of
 e2e_llama3_bench.py (CUDA graphs up to batch 64), it prints:
@@ -10,7 +10,9 @@ e2e_llama3_bench.py (CUDA graphs up to batch 64), it prints:
     wait for the device), with async scheduling on;
   - the GPU time of one graph replay (CUDA events around back-to-back replays), so wall - GPU
     is the host time the device sits idle;
-  - the kernels of one replay (torch.profiler): time and launches per replay, top 14.
+  - the kernels of one replay (torch.profiler): time and launches per replay, top 14
+    (`--top`). Under programmatic dependent launch a kernel starts before its predecessor
+    ends and its time includes that wait; `--no-pdl` launches plainly, for clean attribution.
 `--gemm` adds cuBLAS bf16 matmul timings of the model's projection shapes at M = 1, 16, 64
 (achieved bandwidth against the copy bandwidth).
 """
@@ -36,6 +38,7 @@ from e2e_llama3_bench import (
 from torch.profiler import ProfilerActivity, profile
 
 import llmfleet.kernels.paged_attention_decode as decode_attention
+from llmfleet.kernels.triton_utils import programmatic_launch
 from llmfleet.services.worker.engine.sampling_params import SamplingParams
 
 # (N, K) of the projections: qkv, o, gate_up, down, output head
@@ -134,7 +137,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gemm", action="store_true", help="also time the projection GEMMs")
     ap.add_argument("--min-partition", type=int, help="decode attention's min_partition")
+    ap.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
+    ap.add_argument("--no-pdl", action="store_true", help="launch without PDL")
     args = ap.parse_args()
+    with programmatic_launch(not args.no_pdl):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.min_partition is not None:
         default = decode_attention.default_decode_config()
         tuned = replace(default, min_partition=args.min_partition)
@@ -169,7 +179,7 @@ def main() -> None:
         kernels = kernel_table(graph)
         total = sum(us for _, _, us in kernels)
         print(f"  kernels per replay: {sum(n for _, n, _ in kernels)}, {total / 1e3:.3f} ms")
-        for name, n, us in kernels[:14]:
+        for name, n, us in kernels[: args.top]:
             print(f"  {us:9.1f} us  x{n:4d}  {name}")
         while engine.has_unfinished():
             engine.step()

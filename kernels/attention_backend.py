@@ -1,6 +1,7 @@
 """The Triton implementation of the worker's `AttentionBackend` protocol.
 
-One layer call: scatter this step's k/v into the paged cache at `meta.slot_mapping`, then
+One layer call: scatter this step's k/v into the paged cache at `meta.slot_mapping` (given
+the rotary inputs, rotating q and k in the same launch: kernels/rotary_kv_write.py), then
 attend. A pure decode step (every sequence has one new token) takes the split-K decode kernel;
 any step with a longer query (prefill, chunked prefill, mixed prefill + decode) takes the
 varlen prefill kernel, which handles query_len == 1 rows as well.
@@ -12,6 +13,7 @@ import torch
 
 from llmfleet.kernels import dispatch
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
+from llmfleet.services.worker.models.rotary import RotaryPositions
 
 
 class TritonAttentionBackend:
@@ -35,9 +37,23 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
         scale: float,
+        *,
+        rope: RotaryPositions | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         force = self.force_triton
-        dispatch.kv_cache_write(k, v, kv_cache, meta.slot_mapping, force_triton=force)
+        if rope is None:
+            dispatch.kv_cache_write(k, v, kv_cache, meta.slot_mapping, force_triton=force)
+        else:  # q and k rotated in place, the rotated k written to the cache: one launch
+            dispatch.rotary_kv_cache_write(
+                rope.positions,
+                q,
+                k,
+                v,
+                rope.table,
+                kv_cache,
+                meta.slot_mapping,
+                force_triton=force,
+            )
         if meta.is_pure_decode:
             return dispatch.paged_attention_decode(
                 q,

@@ -1,6 +1,7 @@
 """bf16 linear layers of Llama-3-8B's projections at decode batch sizes: ours vs cuBLAS.
 
     python -m llmfleet.kernels.bench_gemv [--m 1 2 4 ...] [--shapes N,K ...] [--quick] [--save]
+                                          [--gated]
 
 For each projection shape (N, K) (q/k/v, o, gate/up, down, output head, or `--shapes`) and
 batch M, every candidate block configuration of our kernel (the GEMV at M = 1, the skinny GEMM
@@ -15,6 +16,11 @@ M > 1 cuBLAS where the entry says so). `--save` writes each shape's fastest cand
 the tuned files (kernels/configs/gemv/, kernels/configs/skinny_gemm/); at M > 1 a null entry
 where cuBLAS was within 1% of it, so the layer keeps cuBLAS there.
 
+`--gated` times the fused gate/up projection with its SwiGLU instead (the gate/up shape, or
+`--shapes` as [gate | up] weights): the kernels computing the activation in their epilogue
+against the projection followed by the `silu_and_mul` kernel; `--save` writes the gated
+entries (kernels/configs/gemv_silu/ and skinny_gemm_silu/).
+
 Our kernels are timed and chosen without programmatic dependent launch (PDL), like cuBLAS;
 the "PDL us" column times the best candidate with it. Back to back, copies of one kernel
 launched early under PDL can read slower than plain launches (on an H200 the o and down
@@ -25,16 +31,19 @@ shapes did), while in a decode step, whose kernels alternate with small ones, PD
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from llmfleet.kernels import dispatch
 from llmfleet.kernels import gemv as gv
 from llmfleet.kernels import skinny_gemm as sg
 from llmfleet.kernels.bench_attention import copy_bandwidth
 from llmfleet.kernels.bench_int4 import bench, rel_err, rotating
+from llmfleet.kernels.silu_and_mul import silu_and_mul
 from llmfleet.kernels.triton_utils import even_split, programmatic_launch
 
 PROJECTIONS = {
@@ -155,16 +164,76 @@ def time_skinny(
     return row, entry
 
 
+def time_gated(
+    name: str, n: int, k: int, m: int, copy: float, quick: bool
+) -> tuple[str, gv.GemvConfig | sg.SkinnyConfig | None]:
+    """One row of the fused gate/up projection W (n, k) with its SwiGLU at M rows: cuBLAS then
+    `silu_and_mul`; our unfused path (the layer's projection, then `silu_and_mul`); the gated
+    kernel as the layer picks it; our best gated candidate (the GEMV at M = 1, the skinny GEMM
+    above; candidates too large for shared memory are skipped). The entry to save: the best
+    candidate, or None where the unfused path was within 1% of it."""
+    nbytes = n * k * 2
+    weights, pick = rotating(
+        lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, nbytes
+    )
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cublas = bench(lambda: silu_and_mul(F.linear(x, pick())))
+    unfused = bench(lambda: silu_and_mul(dispatch.decode_linear(x, pick())))
+    picked = bench(lambda: dispatch.decode_gated_linear(x, pick()))
+    cands: list[gv.GemvConfig | sg.SkinnyConfig]
+    if m == 1:  # rows per half: the plain GEMV's candidates and their halves
+        plain = candidates(quick)
+        cands = [gv.get_config(n, k, x.dtype, x.device, gated=True), *plain]
+        cands += [dataclasses.replace(c, block_n=max(1, c.block_n // 2)) for c in plain]
+    else:
+        cands = list(skinny_candidates(n // 2, k, quick))
+    times: dict[gv.GemvConfig | sg.SkinnyConfig, float] = {}
+    for cfg in dict.fromkeys(cands):
+        run = functools.partial(gv.gemv if m == 1 else sg.skinny_gemm, config=cfg, gated=True)
+        for _ in range(2):  # fresh data each time
+            w, xx = weights[0], torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            try:
+                out = run(xx, w)
+            except triton.runtime.errors.OutOfResources:  # two weight tiles per stage
+                break
+
+            ref = gv.swiglu_tail((xx.float() @ w.float().t()).to(xx.dtype), True)
+            err = rel_err(out.float(), ref.float())
+            if not err <= 8e-3 or not torch.equal(out, run(xx, w)):
+                raise SystemExit(f"{name} M={m} {cfg}: relative error {err:.2e} or reruns differ")
+            if any(c.any().item() for _, c in sg._WORKSPACE._by_device.values()):
+                raise SystemExit(f"{name} M={m} {cfg}: split-K counters not re-armed")
+        else:
+            times[cfg] = bench(lambda run=run: run(x, pick()))
+    best = min(times, key=times.__getitem__)
+    run = functools.partial(gv.gemv if m == 1 else sg.skinny_gemm, config=best, gated=True)
+    with programmatic_launch(True):
+        chained = bench(lambda: run(x, pick()))
+    entry = best if times[best] < 0.99 * unfused else None
+    pct = functools.partial(percent_of_copy, nbytes, copy)
+    row = (
+        f"{name:8s} {m:3d} {n:6d} {k:6d} {cublas:9.1f} {unfused:8.1f} {picked:8.1f} "
+        f"{times[best]:8.1f} {pct(times[best]):5.0f} {chained:6.1f} "
+        f"{unfused / times[best]:6.2f}x {short(best)}{'' if entry else ' (unfused)'}"
+    )
+    return row, entry
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--shapes", nargs="+", help="N,K pairs instead of Llama-3-8B's projections")
     ap.add_argument("--quick", action="store_true", help="two configurations only")
     ap.add_argument("--save", action="store_true", help="write the fastest into the tuned files")
+    ap.add_argument(
+        "--gated",
+        action="store_true",
+        help="the fused gate/up projection with its SwiGLU (gated kernels) instead",
+    )
     args = ap.parse_args()
     if any(not 1 <= m <= sg.MAX_M for m in args.m):
         ap.error(f"--m values must be in 1..{sg.MAX_M}")
-    shapes = PROJECTIONS
+    shapes = {"gate/up": PROJECTIONS["gate/up"]} if args.gated else PROJECTIONS
     if args.shapes:
         shapes = {s: (int(s.split(",")[0]), int(s.split(",")[1])) for s in args.shapes}
     with programmatic_launch(False):
@@ -173,6 +242,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, shapes: dict[str, tuple[int, int]]) -> None:
     torch.manual_seed(0)
+    if args.gated:
+        run_gated(args, shapes)
+        return
     copy = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy:.0f} GB/s")
     best: dict[tuple[int, int], gv.GemvConfig] = {}
@@ -204,6 +276,32 @@ def run(args: argparse.Namespace, shapes: dict[str, tuple[int, int]]) -> None:
             print(f"wrote {gv.TUNED.save(device, torch.bfloat16, best)}")
         if entries:
             print(f"wrote {sg.TUNED.save(device, torch.bfloat16, entries)}")
+
+
+def run_gated(args: argparse.Namespace, shapes: dict[str, tuple[int, int]]) -> None:
+    copy = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy:.0f} GB/s")
+    print(
+        f"{'proj':8s} {'M':>3s} {'N':>6s} {'K':>6s} {'cuBLAS+act':>9s} {'unfused':>8s} "
+        f"{'picked':>8s} {'best us':>8s} {'%copy':>5s} {'PDL us':>6s} {'unfused/best':>7s} "
+        "best config"
+    )
+    gemv_entries: dict[tuple[int, int], gv.GemvConfig | None] = {}
+    entries: dict[tuple[int, int, int], sg.SkinnyConfig | None] = {}
+    for name, (n, k) in shapes.items():
+        for m in args.m:
+            row, entry = time_gated(name, n, k, m, copy, args.quick)
+            if m == 1:
+                gemv_entries[n, k] = entry  # type: ignore[assignment]
+            else:
+                entries[n, k, sg.m_bucket(m)] = entry  # type: ignore[assignment]
+            print(row, flush=True)
+        torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name()
+    if args.save and gemv_entries:
+        print(f"wrote {gv.TUNED_SILU.save(device, torch.bfloat16, gemv_entries)}")
+    if args.save and entries:
+        print(f"wrote {sg.TUNED_SILU.save(device, torch.bfloat16, entries)}")
 
 
 if __name__ == "__main__":

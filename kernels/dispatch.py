@@ -20,6 +20,7 @@ import llmfleet.kernels.paged_attention_prefill as _prefill
 import llmfleet.kernels.quant as _quant
 import llmfleet.kernels.rms_norm as _rms
 import llmfleet.kernels.rotary as _rot
+import llmfleet.kernels.rotary_kv_write as _rkv
 import llmfleet.kernels.scaled_mm as _smm
 import llmfleet.kernels.silu_and_mul as _silu
 import llmfleet.kernels.skinny_gemm as _skinny
@@ -102,31 +103,80 @@ def rotary_embedding(
     fn(positions, q, k, cos_sin_cache)
 
 
+def rotary_kv_cache_write(
+    positions: torch.Tensor,  # int (num_tokens,)
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim), in place
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), in place
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    cos_sin_cache: torch.Tensor,  # (max_position, rot_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), in place
+    slot_mapping: torch.Tensor,  # int64 (num_tokens,), < 0 = skip the cache write
+    force_triton: bool = False,
+) -> None:
+    """`rotary_embedding` then `kv_cache_write` (of the rotated k), in one launch."""
+    if use_triton(q, force_triton):
+        fn = _rkv.rotary_kv_cache_write
+    else:
+        fn = _rkv.rotary_kv_cache_write_ref
+    fn(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+
+
 def decode_linear(
     x: torch.Tensor,  # (M, K)
     weight: torch.Tensor,  # (N, K)
     bias: torch.Tensor | None = None,
     force_triton: bool = False,
+    out: torch.Tensor | None = None,  # (M, N) of x's dtype or float32: written and returned
 ) -> torch.Tensor:  # (M, N)
     """x @ weight.T (+ bias) at decode batch sizes, for 16-bit x and weight of one dtype (the
     weight unit-stride along K): one row runs the GEMV; 2..MAX_M rows run the skinny GEMM
     where this device's tuned file says it beat cuBLAS for the shape. Everything else (and
-    everything off the GPU) runs `F.linear`."""
+    everything off the GPU) runs `F.linear`. A float32 `out` receives the result's values
+    (rounded to x's dtype, as `.float()` of it), without a separate conversion on our
+    kernels' paths."""
     m, k = x.shape
-    if (
-        not use_triton(x, force_triton)
-        or not 1 <= m <= _skinny.MAX_M
-        or x.dtype not in (torch.float16, torch.bfloat16)
-        or weight.dtype != x.dtype
-        or weight.stride(-1) != 1
-    ):
-        return F.linear(x, weight, bias)
-    if m == 1:
-        return _gemv.gemv(x, weight, bias)
-    cfg = _skinny.choose(m, weight.shape[0], k, x.dtype, x.device)
-    if cfg is None or x.stride(1) != 1:
-        return F.linear(x, weight, bias)
-    return _skinny.skinny_gemm(x, weight, bias, cfg)
+    if _decode_kernels_serve(x, weight, force_triton):
+        if m == 1:
+            return _gemv.gemv(x, weight, bias, out=out)
+        cfg = _skinny.choose(m, weight.shape[0], k, x.dtype, x.device)
+        if cfg is not None and x.stride(1) == 1:
+            return _skinny.skinny_gemm(x, weight, bias, cfg, out=out)
+    y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
+def decode_gated_linear(
+    x: torch.Tensor,  # (M, K)
+    weight: torch.Tensor,  # (2I, K): a fused [gate | up] projection
+    bias: torch.Tensor | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor:  # (M, I)
+    """silu(x @ gate.T) * (x @ up.T), the SwiGLU of a fused gate/up projection, at decode
+    batch sizes: the gated GEMV (one row) or skinny GEMM (2..MAX_M rows) computes it in one
+    kernel where this device's tuned file for the gated kernel has the shape; elsewhere
+    `decode_linear` and then `silu_and_mul`."""
+    m, k = x.shape
+    if _decode_kernels_serve(x, weight, force_triton) and weight.shape[0] % 2 == 0:
+        if m == 1:
+            one = _gemv.gated_config(weight.shape[0], k, x.dtype, x.device)
+            if one is not None:
+                return _gemv.gemv(x, weight, bias, one, gated=True)
+        else:
+            cfg = _skinny.choose(m, weight.shape[0], k, x.dtype, x.device, gated=True)
+            if cfg is not None and x.stride(1) == 1:
+                return _skinny.skinny_gemm(x, weight, bias, cfg, gated=True)
+    return silu_and_mul(decode_linear(x, weight, bias, force_triton), force_triton)
+
+
+def _decode_kernels_serve(x: torch.Tensor, weight: torch.Tensor, force_triton: bool) -> bool:
+    """Whether our decode-size linear kernels take this call (the rows' count aside)."""
+    return (
+        use_triton(x, force_triton)
+        and 1 <= x.shape[0] <= _skinny.MAX_M
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+    )
 
 
 def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:

@@ -26,6 +26,30 @@ from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable,
 
 
 @triton.jit
+def load_cos_sin(cache_ptr, pos, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    """cos and sin at position `pos`, each (1, BLOCK_R) float32, with their column offsets
+    r and the mask r < HALF."""
+    r = tl.arange(0, BLOCK_R)[None, :]
+    rmask = r < HALF
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + r, mask=rmask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + r, mask=rmask, other=0.0).to(tl.float32)
+    return cos, sin, r, rmask
+
+
+@triton.jit
+def rotate_heads(x1_ptrs, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate in place the head halves at x1_ptrs and x1_ptrs + HALF, in float32; returns
+    the two rotated halves as stored (rounded to the tensor's dtype)."""
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(x1_ptrs.dtype.element_ty)
+    o2 = (x2 * cos + x1 * sin).to(x1_ptrs.dtype.element_ty)
+    tl.store(x1_ptrs, o1, mask=mask)
+    tl.store(x1_ptrs + HALF, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr,  # int64 (num_tokens,)
     q_ptr,  # (num_tokens, num_q_heads, head_dim), unit stride in head_dim; updated in place
@@ -46,26 +70,13 @@ def _rotary_kernel(
     pdl_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok)
-    r = tl.arange(0, BLOCK_R)[None, :]
-    rmask = r < HALF
-    cos = tl.load(cache_ptr + pos * (2 * HALF) + r, mask=rmask, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + r, mask=rmask, other=0.0).to(tl.float32)
-
+    cos, sin, r, rmask = load_cos_sin(cache_ptr, pos, HALF, BLOCK_R)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    qmask = (hq < NUM_Q_HEADS) & rmask
     q1_ptrs = q_ptr + tok * stride_q_tok + hq * stride_q_head + r
-    q1 = tl.load(q1_ptrs, mask=qmask, other=0.0).to(tl.float32)
-    q2 = tl.load(q1_ptrs + HALF, mask=qmask, other=0.0).to(tl.float32)
-    tl.store(q1_ptrs, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=qmask)
-    tl.store(q1_ptrs + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=qmask)
-
+    rotate_heads(q1_ptrs, (hq < NUM_Q_HEADS) & rmask, cos, sin, HALF)
     hk = tl.arange(0, BLOCK_HK)[:, None]
-    kmask = (hk < NUM_KV_HEADS) & rmask
     k1_ptrs = k_ptr + tok * stride_k_tok + hk * stride_k_head + r
-    k1 = tl.load(k1_ptrs, mask=kmask, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptrs + HALF, mask=kmask, other=0.0).to(tl.float32)
-    tl.store(k1_ptrs, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=kmask)
-    tl.store(k1_ptrs + HALF, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=kmask)
+    rotate_heads(k1_ptrs, (hk < NUM_KV_HEADS) & rmask, cos, sin, HALF)
 
 
 def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:

@@ -15,6 +15,20 @@ from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable,
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up of float32 tensors: the SwiGLU activation, computed alike by this
+    kernel and by the GEMMs that fuse it into their epilogue."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def silu_mul_rounded(gate, up, DTYPE: tl.constexpr):
+    """`silu_mul` of float32 sums first rounded to DTYPE: a fused [gate | up] projection's
+    epilogue giving what the projection's 16-bit output through this kernel would."""
+    return silu_mul(gate.to(DTYPE).to(tl.float32), up.to(DTYPE).to(tl.float32))
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # (num_tokens, 2 * INTER), unit stride in the last dim
     out_ptr,  # (num_tokens, INTER), contiguous
@@ -29,7 +43,7 @@ def _silu_and_mul_kernel(
     mask = cols < INTER
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = silu_mul(gate, up)
     tl.store(out_ptr + row * INTER + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

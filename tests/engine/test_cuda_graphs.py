@@ -149,7 +149,11 @@ def test_bf16_skinny_gemm_decode_close_to_cublas(make_checkpoint_module, monkeyp
     for forced in (False, True):
         if forced:
             monkeypatch.setattr(
-                sg, "choose", lambda m, n, k, *_: calls.append(m) or sg.default_config(m, n, k)
+                sg,
+                "choose",
+                lambda m, n, k, *_, gated=False: (
+                    calls.append(m) or sg.default_config(m, n // 2 if gated else n, k, gated)
+                ),
             )
         engine = LLMEngine(EngineConfig(dtype="bfloat16", **CFG), model)
         for i, p in enumerate(ragged_prompts(model.info.vocab_size, 5)):

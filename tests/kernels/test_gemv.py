@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from llmfleet.kernels import gemv as gemv_module  # noqa: E402
 from llmfleet.kernels.gemv import GemvConfig, gemv, gemv_ref  # noqa: E402
+from llmfleet.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,6 +50,44 @@ def test_gemv_matches_ref_and_linear(n: int, k: int, dtype: torch.dtype, with_bi
     assert rel_err(gemv(x, w, bias), gemv_ref(x, w, bias)) < tol  # the default blocks
 
 
+@pytest.mark.parametrize(("inter", "k"), [(1, 16), (37, 100), (64, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_gemv_is_the_projection_then_silu_and_mul(
+    inter: int, k: int, dtype: torch.dtype, with_bias: bool
+) -> None:
+    """A fused [gate | up] weight: one kernel gives the SwiGLU, with the same bits as the
+    GEMV (same rows per program) followed by the `silu_and_mul` kernel."""
+    g = torch.Generator().manual_seed(inter * 1000 + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(2 * inter, k, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(2 * inter, generator=g).to(DEVICE, dtype) if with_bias else None
+    cfg = GemvConfig(block_n=4, block_k=32)  # gated: 4 rows from each half per program
+    got = gemv(x, w, bias, config=cfg, gated=True)
+    assert got.shape == (1, inter) and got.dtype == dtype
+    unfused = silu_and_mul(gemv(x, w, bias, config=cfg))
+    assert torch.equal(got, unfused)
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    assert rel_err(got, gemv_ref(x, w, bias, gated=True)) < tol
+    assert rel_err(gemv(x, w, bias, gated=True), gemv_ref(x, w, bias, gated=True)) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float32_out_holds_the_rounded_result(dtype: torch.dtype) -> None:
+    """The output head writing the sampler's float32 logits: the values of `.float()` of the
+    16-bit result, written into the caller's tensor."""
+    x = torch.randn(1, 96, device=DEVICE).to(dtype)
+    w = torch.randn(50, 96, device=DEVICE).to(dtype)
+    out = torch.full((1, 50), float("nan"), device=DEVICE)
+    cfg = GemvConfig(block_n=8, block_k=32)
+    assert gemv(x, w, config=cfg, out=out) is out
+    assert torch.equal(out, gemv(x, w, config=cfg).float())
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, config=cfg, out=torch.empty(1, 49, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):  # gated: x's dtype only
+        gemv(x, w[:48], config=cfg, gated=True, out=torch.empty(1, 24, device=DEVICE))
+
+
 def test_gemv_rejects_what_it_cannot_serve() -> None:
     x = torch.randn(2, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"x must be \(1, K\)"):
@@ -59,6 +98,8 @@ def test_gemv_rejects_what_it_cannot_serve() -> None:
         gemv(x[:1], torch.randn(4, 16, device=DEVICE, dtype=torch.float16))
     with pytest.raises(ValueError, match="unit stride"):
         gemv(x[:1], torch.randn(16, 4, device=DEVICE).t())
+    with pytest.raises(ValueError, match="gated weight must have 2 . I rows"):
+        gemv(x[:1], torch.randn(5, 16, device=DEVICE), gated=True)
 
 
 def test_untuned_default_off_cuda() -> None:
@@ -77,3 +118,7 @@ def test_gemv_llama3_shapes_bf16(n: int, k: int) -> None:
         torch.full((1, n), float("nan"), device="cuda")  # poison the allocator's next block
         got = gemv(x, w)
         assert rel_err(got, gemv_ref(x, w)) < 4e-3  # bf16 rounding of the output
+        if n == 28672:  # the fused gate/up projection: with its SwiGLU too
+            gated = gemv(x, w, gated=True)
+            assert rel_err(gated, gemv_ref(x, w, gated=True)) < 8e-3  # rounded twice
+            assert rel_err(gated, silu_and_mul(got)) < 8e-3

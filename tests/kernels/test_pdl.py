@@ -2,7 +2,7 @@
 
 A PDL kernel may start before the kernel ahead of it in the stream has finished; it must wait
 (`pdl_start`) before it touches memory. The `gpu` test runs decoder layers built from those
-kernels (norm, GEMV, rotary, KV-cache write, split decode attention, SiLU-and-mul), each
+kernels (norm, GEMV, rotary + KV-cache write, split decode attention, SiLU-and-mul), each
 reading what the one before wrote, as a CUDA graph and eagerly with PDL on, on fresh inputs
 every time, and requires the same bits as the kernels launched without PDL: a kernel that read
 its input early would see the previous input.
@@ -22,14 +22,14 @@ import pytest  # noqa: E402
 
 from llmfleet.kernels import triton_utils  # noqa: E402
 from llmfleet.kernels.gemv import gemv  # noqa: E402
-from llmfleet.kernels.kv_cache_write import kv_cache_write  # noqa: E402
 from llmfleet.kernels.paged_attention_decode import (  # noqa: E402
     choose_partitions,
     default_decode_config,
     paged_attention_decode,
 )
 from llmfleet.kernels.rms_norm import rms_norm  # noqa: E402
-from llmfleet.kernels.rotary import build_cos_sin_cache, rotary_embedding  # noqa: E402
+from llmfleet.kernels.rotary import build_cos_sin_cache  # noqa: E402
+from llmfleet.kernels.rotary_kv_write import rotary_kv_cache_write  # noqa: E402
 from llmfleet.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 from llmfleet.kernels.triton_utils import pdl, programmatic_launch  # noqa: E402
 
@@ -59,8 +59,7 @@ def _layer(x: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
     q = qkv[:, : HEADS * HEAD_DIM].view(1, HEADS, HEAD_DIM)
     k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(1, KV_HEADS, HEAD_DIM)
     v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(1, KV_HEADS, HEAD_DIM)
-    rotary_embedding(p["positions"], q, k, p["cos_sin"])
-    kv_cache_write(k, v, p["cache"], p["slot"])
+    rotary_kv_cache_write(p["positions"], q, k, v, p["cos_sin"], p["cache"], p["slot"])
     att = paged_attention_decode(
         q, p["cache"], p["block_table"], p["seq_lens"], HEAD_DIM**-0.5, CONTEXT
     )

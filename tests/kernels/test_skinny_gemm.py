@@ -19,7 +19,10 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from llmfleet.kernels import dispatch  # noqa: E402
+from llmfleet.kernels import gemv as gv  # noqa: E402
 from llmfleet.kernels import skinny_gemm as sg  # noqa: E402
+from llmfleet.kernels.gemv import GemvConfig  # noqa: E402
+from llmfleet.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 from llmfleet.kernels.skinny_gemm import SkinnyConfig, skinny_gemm  # noqa: E402
 from llmfleet.kernels.tuned_configs import TunedConfigs  # noqa: E402
 
@@ -64,6 +67,43 @@ def test_skinny_gemm_matches_reference(m, n, k, cfg, dtype, with_bias) -> None:
     assert rel_err(out, reference(x, w, bias)) < 1e-2  # 16-bit rounding of the output
     assert torch.equal(out, skinny_gemm(x, w, bias, cfg))  # splits added in a fixed order
     assert counters_armed()
+
+
+@pytest.mark.parametrize(
+    ("m", "inter", "k", "cfg"),
+    [
+        (2, 32, 128, SkinnyConfig(16, 32)),  # one split
+        (3, 50, 96, SkinnyConfig(32, 32, 3)),  # ragged I, three splits
+        (17, 24, 200, SkinnyConfig(16, 64, 2)),  # ragged K, uneven split
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_skinny_gemm_is_the_projection_then_silu_and_mul(m, inter, k, cfg, with_bias):
+    """A fused [gate | up] weight: one kernel gives the SwiGLU with the bits of the GEMM (the
+    same rows per program) followed by the `silu_and_mul` kernel, splits included."""
+    torch.manual_seed(m * 1000 + inter + k)
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(2 * inter, k, device=DEVICE, dtype=dtype)
+    bias = torch.randn(2 * inter, device=DEVICE, dtype=dtype) if with_bias else None
+    got = skinny_gemm(x, w, bias, cfg, gated=True)
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert torch.equal(got, silu_and_mul(skinny_gemm(x, w, bias, cfg)))
+    ref = reference(x, w, bias).to(dtype).float()
+    ref = F.silu(ref[:, :inter]) * ref[:, inter:]
+    assert rel_err(got, ref) < 2e-2  # rounded twice
+    assert torch.equal(got, skinny_gemm(x, w, bias, cfg, gated=True)) and counters_armed()
+
+
+def test_float32_out_holds_the_rounded_result() -> None:
+    x = torch.randn(5, 96, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(40, 96, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.full((5, 40), float("nan"), device=DEVICE)
+    cfg = SkinnyConfig(16, 32, 2)
+    assert skinny_gemm(x, w, None, cfg, out=out) is out
+    assert torch.equal(out, skinny_gemm(x, w, None, cfg).float())
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_gemm(x, w, None, cfg, out=torch.empty(5, 40, device=DEVICE, dtype=torch.float16))
 
 
 def test_strided_rows_and_empty_shapes() -> None:
@@ -117,9 +157,9 @@ def test_decode_linear_routes_by_batch(monkeypatch) -> None:
     ran: list[SkinnyConfig] = []
     real = sg.skinny_gemm
 
-    def spy(x, w, bias=None, config=None):
+    def spy(x, w, bias=None, config=None, **kwargs):
         ran.append(config)
-        return real(x, w, bias, config)
+        return real(x, w, bias, config, **kwargs)
 
     monkeypatch.setattr(sg, "skinny_gemm", spy)
     ref = reference(x, w, None)
@@ -132,6 +172,54 @@ def test_decode_linear_routes_by_batch(monkeypatch) -> None:
     one = dispatch.decode_linear(x[:1], w, force_triton=True)
     assert rel_err(one, ref[:1]) < 1e-2 and ran == [cfg]  # the GEMV
     assert torch.equal(dispatch.decode_linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    out = torch.empty(4, 48, device=DEVICE)
+    assert dispatch.decode_linear(x, w, force_triton=True, out=out) is out  # float32 logits
+    assert torch.equal(out, real(x, w, None, cfg).float())
+
+
+def test_decode_gated_linear_routes_by_batch(monkeypatch) -> None:
+    """The SwiGLU of a fused gate/up projection: one row in the gated GEMV, 2..64 rows in
+    the gated skinny GEMM where its tuned file names a config, elsewhere the projection and
+    then `silu_and_mul`; the same values every way."""
+    x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(48, 64, device=DEVICE, dtype=torch.bfloat16)
+    ref = reference(x, w, None).to(x.dtype).float()
+    ref = F.silu(ref[:, :24]) * ref[:, 24:]
+    ran: list[tuple[SkinnyConfig, bool]] = []
+    real = sg.skinny_gemm
+
+    def spy(x, w, bias=None, config=None, gated=False, **kwargs):
+        ran.append((config, gated))
+        return real(x, w, bias, config, gated=gated, **kwargs)
+
+    monkeypatch.setattr(sg, "skinny_gemm", spy)
+    assert rel_err(dispatch.decode_gated_linear(x, w, force_triton=True), ref) < 2e-2
+    assert ran == []  # nothing tuned: F.linear, then silu_and_mul
+    cfg = SkinnyConfig(16, 32, 2)
+    monkeypatch.setattr(
+        sg, "choose", lambda m, *args, gated=False: cfg if gated and m > 1 else None
+    )
+    assert rel_err(dispatch.decode_gated_linear(x, w, force_triton=True), ref) < 2e-2
+    assert ran == [(cfg, True)]
+    gemv_cfgs: list[GemvConfig] = []
+    real_gemv = gv.gemv
+
+    def gemv_spy(x, w, bias=None, config=None, **kwargs):
+        gemv_cfgs.append(config)
+        return real_gemv(x, w, bias, config, **kwargs)
+
+    monkeypatch.setattr(gv, "gemv", gemv_spy)
+    one = dispatch.decode_gated_linear(x[:1], w, force_triton=True)  # no GEMV entry: unfused
+    assert rel_err(one, ref[:1]) < 2e-2 and len(ran) == 1 and gemv_cfgs == [None]
+    cfg1 = GemvConfig(4, 32)
+    monkeypatch.setattr(gv, "gated_config", lambda *args: cfg1)
+    one = dispatch.decode_gated_linear(x[:1], w, force_triton=True)  # the gated GEMV
+    assert rel_err(one, ref[:1]) < 2e-2 and len(ran) == 1 and gemv_cfgs == [None, cfg1]
+    cpu = dispatch.decode_gated_linear(x.float(), w.float())  # off the GPU: the references
+    assert (
+        rel_err(cpu, F.silu(x.float() @ w[:24].float().t()) * (x.float() @ w[24:].float().t()))
+        < 1e-5
+    )
 
 
 @pytest.mark.gpu
@@ -148,3 +236,7 @@ def test_skinny_gemm_llama3_shapes_bf16(m: int, n: int, k: int) -> None:
         assert rel_err(got, reference(x, w, None)) < 4e-3  # bf16 rounding of the output
         assert torch.equal(got, skinny_gemm(x, w))
         assert counters_armed()
+        if n == 28672:  # the fused gate/up projection: with its SwiGLU too
+            gated = skinny_gemm(x, w, gated=True)
+            assert rel_err(gated, silu_and_mul(got)) < 8e-3
+            assert torch.equal(gated, skinny_gemm(x, w, gated=True)) and counters_armed()

@@ -1,5 +1,5 @@
 """Tuned kernel configuration files (kernels/tuned_configs.py): round trip, and the files the
-package ships for the GEMV and the skinny GEMM."""
+package ships for the GEMV and the skinny GEMM (plain and gated)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ def test_round_trip_per_device_and_dtype(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("tuned", "config_type", "key_len"),
-    [(gemv.TUNED, GemvConfig, 2), (skinny_gemm.TUNED, SkinnyConfig, 3)],
+    [
+        (gemv.TUNED, GemvConfig, 2),
+        (gemv.TUNED_SILU, GemvConfig, 2),
+        (skinny_gemm.TUNED, SkinnyConfig, 3),
+        (skinny_gemm.TUNED_SILU, SkinnyConfig, 3),
+    ],
 )
 def test_shipped_files_load(tuned: TunedConfigs, config_type: type, key_len: int) -> None:
     """Every file the package ships parses into configs under its own device's name."""

@@ -13,6 +13,7 @@ from llmfleet.services.worker.attention.reference import (
     TorchReferenceBackend,
     dense_causal_attention,
 )
+from llmfleet.services.worker.models.rotary import RotaryEmbedding
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -121,3 +122,26 @@ def test_bfloat16_decode_close_to_float32() -> None:
     out = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16(), meta, 0.35)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1], [7, 12]), ([3, 5], [3, 7])])
+def test_rope_argument_rotates_q_and_k_first(query_lens: list[int], seq_lens: list[int]) -> None:
+    """`rope=` gives what rotating q and k first, then calling without it, gives (partial
+    rotary: 4 of 8 dimensions)."""
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 6, 4, 2, 8, generator=g)
+    meta = AttentionMetadata.build(query_lens, seq_lens, [[3, 1], [0, 5, 2]], 4)
+    qkv = torch.randn(meta.num_tokens, 8, 8, generator=g)  # 4 q, 2 k, 2 v heads
+    pos = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
+    rope = RotaryEmbedding(4, 32, {"rope_type": "default", "rope_theta": 100.0}).at(
+        torch.tensor(pos)
+    )
+    backend = TorchReferenceBackend()
+    cache_a, cache_b = cache.clone(), cache.clone()
+    q, k, v = qkv.clone().split([4, 2, 2], dim=1)
+    out_a = backend.forward(q, k, v, cache_a, meta, 0.35, rope=rope)
+    q, k, v = qkv.clone().split([4, 2, 2], dim=1)
+    q, k = rope.rotate(torch.cat([q, k], dim=1), 4)
+    out_b = backend.forward(q, k, v, cache_b, meta, 0.35)
+    assert torch.equal(out_a, out_b) and torch.equal(cache_a, cache_b)
+    assert not torch.equal(cache_a, cache)  # something was written (rotated k)

@@ -2,7 +2,9 @@
 
 A backend owns two things for one layer call: writing this step's keys and values into the
 paged cache (at `meta.slot_mapping`), then causal attention of each new query token over its
-sequence's whole context (cached prefix + this step's tokens). The CPU reference lives in
+sequence's whole context (cached prefix + this step's tokens). Given the layer's rotary inputs
+(`rope=`), it applies the rotary embedding to q and k first, so that a backend can fuse it
+with the cache write. The CPU reference lives in
 `reference.py`; Triton backends arrive with the kernels.
 """
 
@@ -13,6 +15,7 @@ from typing import Protocol
 import torch
 
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
+from llmfleet.services.worker.models.rotary import RotaryPositions
 
 
 class AttentionBackend(Protocol):
@@ -30,7 +33,14 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
         scale: float,
+        *,
+        rope: RotaryPositions | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """Write k/v into the cache, then attend. GQA: query head h reads KV head
-        h // (num_heads // num_kv_heads)."""
+        h // (num_heads // num_kv_heads).
+
+        With `rope`, q and k arrive unrotated: the backend rotates them (neox style, partial
+        rotary as `rope.table` says) before writing k to the cache and attending, and may do
+        so in place, in q's and k's memory (which may be views of one fused qkv activation).
+        Without it, q and k are already rotated and only the cache is written."""
         ...

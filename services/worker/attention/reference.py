@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmfleet.services.worker.attention.metadata import AttentionMetadata
+from llmfleet.services.worker.models.rotary import RotaryPositions
 
 
 def write_kv_cache(
@@ -76,7 +77,11 @@ class TorchReferenceBackend:
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
         scale: float,
+        *,
+        rope: RotaryPositions | None = None,
     ) -> torch.Tensor:  # (T, H, D)
+        if rope is not None:
+            q, k = rope.rotate_qk(q, k)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if meta.num_tokens == 0:
             return q.new_empty(q.shape)

@@ -227,7 +227,7 @@ class PaddedDecoder:
         hidden = self.model(
             self.static.token_ids(b), self.static.positions(b), self.kv_caches, meta
         )
-        self.logits[:b].copy_(self.model.compute_logits(hidden))
+        self.model.compute_logits(hidden, out=self.logits[:b])
 
     def _launch(self, b: int) -> None:
         self._forward(b)

@@ -36,7 +36,9 @@ class CausalLM(nn.Module, ABC):
         ...
 
     @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, V) fp32
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (N, hidden) -> (N, V) float32, written into `out` when given
         ...
 
     @abstractmethod

@@ -149,9 +149,15 @@ class DecoderForCausalLM(CausalLM):
         h, _ = self.norm(h, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, V)
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (N, hidden) -> (N, V) float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if out is None and hidden.dtype == torch.float32:
+            return linear(hidden, weight)
+        if out is None:
+            out = hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32)
+        return linear(hidden, weight, out=out)  # decode sizes: written by the GEMV / GEMM
 
     # ---- weight loading -------------------------------------------------------------------
 

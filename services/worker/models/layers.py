@@ -67,16 +67,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`F.linear`, except up to 64 16-bit rows on CUDA (decode steps): one row runs the Triton
     GEMV (kernels/gemv.py), which streams the weight faster than cuBLAS at M = 1 on every
     Llama-3-8B projection shape; 2..64 rows run the skinny GEMM (kernels/skinny_gemm.py) on
-    the shapes where this GPU's tuned file says it beat cuBLAS (docs/benchmarks.md)."""
+    the shapes where this GPU's tuned file says it beat cuBLAS (docs/benchmarks.md). `out`
+    (the result's shape, x's dtype or float32) receives the result, which is then returned."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= 64:
         from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
 
-        return dispatch.decode_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return dispatch.decode_linear(x, weight, bias, out=out)
+    y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # (T, 2I) weight [gate | up] -> (T, I)
+    """`silu_and_mul(linear(x, weight, bias))` for a fused [gate | up] weight. Up to 64
+    16-bit rows on CUDA compute the activation in the projection's kernel where ours serves
+    the shape (`dispatch.decode_gated_linear`), saving the activation's launch and its
+    round trip through memory."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= 64:
+        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+        return dispatch.decode_gated_linear(x, weight, bias)
+    return silu_and_mul(linear(x, weight, bias))
 
 
 class Linear(nn.Linear):
@@ -126,7 +147,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via (T, 2I) -> (T, I)
+        gate_up = self.gate_up_proj
+        if type(gate_up) is Linear:  # not replaced by a quantized layer
+            return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(silu_and_mul(gate_up(x)))  # via (T, 2I) -> (T, I)
 
     def shard_offset(self, hf_proj: str) -> int:
         """Row offset in gate_up_proj of the HF projection `gate_proj` or `up_proj`."""
@@ -175,11 +199,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # (T, hidden)
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
-        # q and k are adjacent in qkv: rotate them as one (T, H + Hkv, D) tensor.
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, self.head_dim)
+        qkv = qkv.view(t, h + 2 * hkv, self.head_dim)
+        q, k, v = qkv.split([h, hkv, hkv], dim=1)  # views: (T, H, D), (T, Hkv, D), (T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        q, k = rope.rotate(qk, h)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
+            q, k = self.q_norm(q), self.k_norm(k)
+        # The backend rotates q and k (in place on GPUs, fused with its KV cache write).
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, rope=rope)  # (T, H, D)
         return self.o_proj(o.reshape(t, self.q_size))

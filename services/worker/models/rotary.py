@@ -101,11 +101,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class RotaryPositions:
-    """Positions of one forward pass and the [cos | sin] table; `rotate` applies them.
+    """Positions of one forward pass and the [cos | sin] table; `rotate_qk` applies them.
 
     On CUDA the Triton kernel rotates q and k in place, straight from the table (one launch
     per layer, computed in float32). Elsewhere the reference gathers cos/sin once per pass
-    and rotates out of place in the activations' dtype, as transformers does.
+    and rotates out of place in the activations' dtype, as transformers does. An attention
+    backend given these (`AttentionBackend.forward(..., rope=)`) may instead rotate with its
+    own kernel, from `positions` and `table`.
     """
 
     def __init__(self, positions: torch.Tensor, table: torch.Tensor) -> None:
@@ -121,20 +123,26 @@ class RotaryPositions:
             self._cos_sin = (cos, sin)
         return self._cos_sin
 
+    def rotate_qk(
+        self,
+        q: torch.Tensor,  # (T, H, D)
+        k: torch.Tensor,  # (T, Hkv, D)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated q (T, H, D), k (T, Hkv, D)
+        """Rotate q and k; in place on CUDA (unit stride in D), else new tensors."""
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+            dispatch.rotary_embedding(self.positions, q, k, self.table)
+            return q, k
+        cos, sin = self.cos_sin()
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
     def rotate(
         self, qk: torch.Tensor, num_q_heads: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (T, H + Hkv, D) -> q (T, H, D), k (T, Hkv, D)
         """Rotate q and k, laid out as one tensor of heads [q | k]; in place on CUDA."""
-        num_kv_heads = qk.shape[1] - num_q_heads
-        if qk.is_cuda and qk.stride(-1) == 1:
-            from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
-
-            q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
-            dispatch.rotary_embedding(self.positions, q, k, self.table)
-            return q, k
-        cos, sin = self.cos_sin()
-        q, k = apply_rotary(qk, cos, sin).split([num_q_heads, num_kv_heads], dim=1)
-        return q, k
+        q, k = qk.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
+        return self.rotate_qk(q, k)
 
 
 def apply_rotary(
