@@ -186,7 +186,7 @@ def gemv(
     if n == 0:
         return out
     if k == 0:
-        y = torch.zeros_like(weight[:, 0]) if bias is None else bias
+        y = weight.new_zeros(weight.shape[0]) if bias is None else bias
         return out.copy_(swiglu_tail(y[None, :].to(x.dtype), gated))
     cfg = config or get_config(weight.shape[0], k, x.dtype, x.device, gated)
     grid = (triton.cdiv(n, cfg.block_n),)

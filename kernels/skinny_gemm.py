@@ -256,7 +256,7 @@ def skinny_gemm(
     if n == 0:
         return out
     if k == 0:
-        y = torch.zeros_like(weight[:, 0]) if bias is None else bias
+        y = weight.new_zeros(weight.shape[0]) if bias is None else bias
         return out.copy_(swiglu_tail(y.expand(m, -1).to(x.dtype), gated))
     cfg = config or choose(m, weight.shape[0], k, x.dtype, x.device, gated)
     cfg = cfg or default_config(m, n, k, gated)

@@ -84,6 +84,7 @@ def test_float32_out_holds_the_rounded_result(dtype: torch.dtype) -> None:
     assert torch.equal(out, gemv(x, w, config=cfg).float())
     with pytest.raises(ValueError, match="out must be"):
         gemv(x, w, config=cfg, out=torch.empty(1, 49, device=DEVICE))
+    assert not gemv(x[:, :0], w[:, :0], out=out).any()  # K = 0: zeros
     with pytest.raises(ValueError, match="out must be"):  # gated: x's dtype only
         gemv(x, w[:48], config=cfg, gated=True, out=torch.empty(1, 24, device=DEVICE))
 

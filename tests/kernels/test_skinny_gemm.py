@@ -115,6 +115,9 @@ def test_strided_rows_and_empty_shapes() -> None:
     assert skinny_gemm(x, w[:0]).shape == (6, 0)
     bias = torch.randn(40, device=DEVICE, dtype=torch.bfloat16)
     assert torch.equal(skinny_gemm(x[:, :0], w[:, :0], bias), bias.expand(6, 40))
+    assert not skinny_gemm(x[:, :0], w[:, :0]).any()  # K = 0: zeros
+    gated = skinny_gemm(x[:, :0], w[:, :0], bias, gated=True)  # silu(bias_gate) * bias_up
+    assert rel_err(gated, silu_and_mul(bias.expand(6, 40).contiguous())) < 1e-2
 
 
 def test_bad_arguments_are_named() -> None:
