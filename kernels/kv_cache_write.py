@@ -58,7 +58,9 @@ def _kv_cache_write_kernel(
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def check_kv_write_args(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"kv_cache must be (2, blocks, block_size, heads, dim), got {kv_cache.shape}"
@@ -81,7 +83,7 @@ def kv_cache_write(
     slot_mapping: torch.Tensor,  # int64 (num_tokens,), < 0 = skip
 ) -> None:
     """Write k and v of each new token into the cache at its slot (Triton)."""
-    _check(k, v, kv_cache, slot_mapping)
+    check_kv_write_args(k, v, kv_cache, slot_mapping)
     for name, t in (("k", k), ("v", v), ("kv_cache", kv_cache)):
         check_last_dim_contiguous(name, t)
     num_tokens = k.shape[0]
@@ -117,7 +119,7 @@ def kv_cache_write_ref(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """PyTorch reference of `kv_cache_write` (same arguments, same in-place effect)."""
-    _check(k, v, kv_cache, slot_mapping)
+    check_kv_write_args(k, v, kv_cache, slot_mapping)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]

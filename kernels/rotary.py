@@ -79,7 +79,9 @@ def _rotary_kernel(
     rotate_heads(k1_ptrs, (hk < NUM_KV_HEADS) & rmask, cos, sin, HALF)
 
 
-def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
+def check_rotary_args(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
+) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q/k must be (tokens, heads, head_dim), got {q.shape}, {k.shape}")
     if positions.shape != (q.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
@@ -98,7 +100,7 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,  # (max_position, rot_dim)
 ) -> None:
     """Triton neox-style rotary embedding, in place on q and k."""
-    _check(positions, q, k, cos_sin_cache)
+    check_rotary_args(positions, q, k, cos_sin_cache)
     for name, t in (("q", q), ("k", k)):
         check_last_dim_contiguous(name, t)
     cache = cos_sin_cache.contiguous()
@@ -134,7 +136,7 @@ def rotary_embedding_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """PyTorch reference of `rotary_embedding` (same arguments, same in-place effect)."""
-    _check(positions, q, k, cos_sin_cache)
+    check_rotary_args(positions, q, k, cos_sin_cache)
     half = cos_sin_cache.shape[1] // 2
     cs = cos_sin_cache.float()[positions.long()]  # (T, rot_dim)
     cos, sin = cs[:, None, :half], cs[:, None, half:]

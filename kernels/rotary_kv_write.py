@@ -20,10 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.kv_cache_write import _check as _check_kv_write
-from llmfleet.kernels.kv_cache_write import kv_cache_write_ref
-from llmfleet.kernels.rotary import _check as _check_rotary
-from llmfleet.kernels.rotary import load_cos_sin, rotary_embedding_ref, rotate_heads
+from llmfleet.kernels.kv_cache_write import check_kv_write_args, kv_cache_write_ref
+from llmfleet.kernels.rotary import (
+    check_rotary_args,
+    load_cos_sin,
+    rotary_embedding_ref,
+    rotate_heads,
+)
 from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 
@@ -91,19 +94,6 @@ def _rotary_kv_write_kernel(
         tl.store(dst + stride_c_kv + d, v.to(cache_ptr.dtype.element_ty), mask=vmask)
 
 
-def _check(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    _check_rotary(positions, q, k, cos_sin_cache)
-    _check_kv_write(k, v, kv_cache, slot_mapping)
-
-
 def rotary_kv_cache_write(
     positions: torch.Tensor,  # int (num_tokens,)
     q: torch.Tensor,  # (num_tokens, num_q_heads, head_dim), rotated in place
@@ -114,7 +104,8 @@ def rotary_kv_cache_write(
     slot_mapping: torch.Tensor,  # int64 (num_tokens,), < 0 = skip the cache write
 ) -> None:
     """Triton: rotate q and k in place, write the rotated k and v into the cache at their slots."""
-    _check(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    check_rotary_args(positions, q, k, cos_sin_cache)
+    check_kv_write_args(k, v, kv_cache, slot_mapping)
     for name, t in (("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache)):
         check_last_dim_contiguous(name, t)
     cache = cos_sin_cache.contiguous()
@@ -169,7 +160,8 @@ def rotary_kv_cache_write_ref(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """PyTorch reference of `rotary_kv_cache_write` (same arguments, same in-place effect)."""
-    _check(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    """PyTorch reference of `rotary_kv_cache_write` (same arguments, same in-place effect);
+    each of the two references checks its own arguments, before anything is written."""
+    check_kv_write_args(k, v, kv_cache, slot_mapping)
     rotary_embedding_ref(positions, q, k, cos_sin_cache)
     kv_cache_write_ref(k, v, kv_cache, slot_mapping)
