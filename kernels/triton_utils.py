@@ -45,17 +45,24 @@ _pdl_allowed = True
 
 
 @functools.lru_cache(maxsize=16)
-def _pdl_device(index: int) -> bool:
+def _sm90(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def sm90_or_later(device: torch.device) -> bool:
+    """`device` is an NVIDIA GPU of compute capability 9.0 or later (TMA, PDL)."""
+    if device.type != "cuda":
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch (PDL): NVIDIA
     sm_90 and later, compiled (not interpreted), unless `programmatic_launch(False)` is in
     force. A PDL kernel starts with `pdl_start(PDL)`, and its launch passes `launch_pdl`."""
-    if device.type != "cuda" or interpreting() or not _pdl_allowed:
+    if interpreting() or not _pdl_allowed:
         return False
-    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+    return sm90_or_later(device)
 
 
 @contextlib.contextmanager

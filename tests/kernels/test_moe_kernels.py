@@ -135,9 +135,44 @@ def test_fused_moe_fp8(per_channel: bool) -> None:
     ids = _ids(t, e, k, 5)
     tw = torch.rand(t, k, device=DEV)
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1)
-    out = fm.fused_moe(x, w1q, w2q, tw, ids, s1, s2, config=cfg)
+    with fm.weight_tma(False):
+        out = fm.fused_moe(x, w1q, w2q, tw, ids, s1, s2, config=cfg)
     ref = fm.fused_moe_ref(x, w1q, w2q, tw, ids, s1, s2)  # activations unquantized
     assert rel_err(out, ref) < 6e-2
+    with fm.weight_tma(True):  # FP8 weight tiles through TMA descriptors: the same sums
+        assert torch.equal(fm.fused_moe(x, w1q, w2q, tw, ids, s1, s2, config=cfg), out)
+
+
+@pytest.mark.parametrize("t,e,k,h,inter,used,blocks", CASES)
+def test_fused_moe_weight_tiles_through_tma_match_pointer_loads(t, e, k, h, inter, used, blocks):
+    # The descriptor path zero-fills columns past K (h = 96 with BLOCK_K 64) and lets a tile
+    # run into the next expert's rows (inter = 40, 80 with BLOCK_N 32, 64): the same sums.
+    w1, w2 = (w.bfloat16() for w in _weights(e, h, inter, torch.bfloat16))
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    ids = _ids(t, e, k, used)
+    tw = torch.softmax(torch.randn(t, k, device=DEV), dim=1)
+    cfg = dict(zip(fm.CONFIG_KEYS, (*blocks, 2), strict=True))
+    with fm.weight_tma(True):
+        assert fm._weight_descriptor(w1, cfg) is not None
+        via_tma = fm.fused_moe(x, w1, w2, tw, ids, config=cfg)
+    with fm.weight_tma(False):
+        assert fm._weight_descriptor(w1, cfg) is None
+        via_pointers = fm.fused_moe(x, w1, w2, tw, ids, config=cfg)
+    assert torch.equal(via_tma, via_pointers)
+
+
+def test_weight_descriptor_only_for_layouts_tma_can_read() -> None:
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1)
+    w = torch.randn(4, 32, 64, device=DEV, dtype=torch.bfloat16)
+    with fm.weight_tma(True):
+        assert fm._weight_descriptor(w, cfg) is not None
+        assert fm._weight_descriptor(w[:, :, :40], cfg) is None  # not contiguous
+        assert fm._weight_descriptor(torch.zeros(4, 32, 36, dtype=torch.bfloat16), cfg) is None
+        assert fm._weight_descriptor(w.to(FP8)[:, :, :40].contiguous(), cfg) is None  # 40 bytes
+    with fm.weight_tma(False):
+        assert fm._weight_descriptor(w, cfg) is None
+    if DEV == "cpu":  # by default only NVIDIA sm_90 and later, compiled, take descriptors
+        assert fm._weight_descriptor(w, cfg) is None
 
 
 def test_fused_moe_one_token_with_a_repeated_expert() -> None:
