@@ -19,8 +19,9 @@ weight rows. SiLU-and-mul is fused into the gate-up epilogue: the program keeps 
 
 Block configurations come from JSON files in configs/fused_moe/ named
 `E={E},N={I},device_name={name},dtype={bf16|fp8_w8a8}.json`, mapping a token count M to a
-config; the entry with the nearest M is used. Without a file, `default_config` chooses by the
-mean rows per expert. `tune_fused_moe.py` writes the files.
+config; the entry tuned at the M nearest by ratio is used, if it lies within 4x (`pick_config`).
+Farther from every entry, or without a file, `default_config` chooses by the mean rows per
+expert. `tune_fused_moe.py` writes the files.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,14 +245,35 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict[str, i
     return {**cfg, "num_warps": 8, "num_stages": 3}
 
 
+# A tuned entry serves token counts up to this factor away from the M it was tuned at. Tables
+# tuned at 1, 16, 64, 512, 4096 cover every M up to 16384; a sparse one does not stretch a
+# decode tile over prefill sizes (an H200 table of M = 1, 64, 4096 once ran M = 512 on the
+# M = 64 tile, at 2.2x the time of the right one).
+ENTRY_REACH = 4
+
+
+def pick_config(
+    table: dict[int, dict[str, int]] | None, num_tokens: int, num_experts: int, top_k: int
+) -> dict[str, int]:
+    """The table's entry tuned at the M nearest `num_tokens` by ratio, if within ENTRY_REACH
+    of it; otherwise (or without a table) `default_config`."""
+    t = max(num_tokens, 1)
+    if table:
+        m = min(table, key=lambda key: (abs(math.log(max(key, 1) / t)), key))
+        if max(m, t) <= ENTRY_REACH * max(min(m, t), 1):
+            return table[m]
+    return default_config(num_tokens, num_experts, top_k)
+
+
 def get_config(
     num_tokens: int, num_experts: int, inter_size: int, top_k: int, dtype: str, device: torch.device
 ) -> dict[str, int]:
+    """The block configuration for `num_tokens` tokens: this device's tuned file through
+    `pick_config`, or `default_config`."""
+    table = None
     if device.type == "cuda":
         table = load_configs(num_experts, inter_size, torch.cuda.get_device_name(device), dtype)
-        if table:
-            return table[min(table, key=lambda m: abs(m - num_tokens))]
-    return default_config(num_tokens, num_experts, top_k)
+    return pick_config(table, num_tokens, num_experts, top_k)
 
 
 def _check_scale(s: torch.Tensor | None, num_experts: int, rows: int, name: str) -> bool:

@@ -1,6 +1,6 @@
 """Tune fused MoE block configurations on this GPU and write them as JSON.
 
-    python -m llmfleet.kernels.tune_fused_moe --model mixtral --dtype bf16 --m 1 16 64 512 4096
+    python -m llmfleet.kernels.tune_fused_moe --model mixtral --dtype bf16
 
 For each token count M, every config of the search grid is timed on the whole `fused_moe` (both
 GEMMs, routing alignment included, CUDA-graph replays, median), on fresh random data; the
@@ -40,7 +40,9 @@ def search_space(m: int, top_k: int, num_experts: int) -> list[dict[str, int]]:
                 BLOCK_SIZE_M=bm,
                 BLOCK_SIZE_N=bn,
                 BLOCK_SIZE_K=bk,
-                GROUP_SIZE_M=1 if rows <= 128 else 8,
+                # Grouped M tiles share an expert's weight tiles through L2: at Mixtral M = 256
+                # (64 rows per expert) 782 us against 927 us for the best ungrouped config.
+                GROUP_SIZE_M=1 if rows <= 32 else 8,
                 num_warps=warps,
                 num_stages=stages,
             )
@@ -97,7 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=list(MODELS), required=True)
     p.add_argument("--dtype", choices=["bf16", "fp8_w8a8"], default="bf16")
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024, 2048, 4096])
     p.add_argument(
         "--budget-s", type=float, default=600.0, help="search time, split over the M values"
     )

@@ -196,6 +196,21 @@ def test_fused_moe_default_config_and_routing_end_to_end() -> None:
     assert rel_err(out, fm.fused_moe_ref(x, w1, w2, tw, ids)) < BF16_BOUND
 
 
+def test_pick_config_takes_the_nearest_entry_by_ratio_within_reach() -> None:
+    full = {m: {"tuned_at": m} for m in (1, 16, 64, 512, 4096)}
+    picked = {t: fm.pick_config(full, t, 8, 2).get("tuned_at") for t in
+              (1, 4, 5, 32, 40, 200, 1500, 2000, 16384, 16385)}  # fmt: skip
+    assert picked == {1: 1, 4: 1, 5: 16, 32: 16, 40: 64, 200: 512, 1500: 4096, 2000: 4096,
+                      16384: 4096, 16385: None}  # fmt: skip
+    assert fm.pick_config(full, 16385, 8, 2) == fm.default_config(16385, 8, 2)
+    # A sparse table does not stretch its decode tile over M = 512, nor M = 1's over M = 8.
+    sparse = {m: {"tuned_at": m} for m in (1, 64, 4096)}
+    assert fm.pick_config(sparse, 512, 8, 2) == fm.default_config(512, 8, 2)
+    assert fm.pick_config(sparse, 8, 8, 2) == fm.default_config(8, 8, 2)
+    assert fm.pick_config(sparse, 16, 8, 2) == {"tuned_at": 64}
+    assert fm.pick_config(None, 512, 8, 2) == fm.default_config(512, 8, 2)
+
+
 def test_fused_moe_rejects_bad_shapes() -> None:
     w1, w2 = (w.bfloat16() for w in _weights(4, 32, 16, torch.bfloat16))
     x = torch.randn(2, 32, device=DEV, dtype=torch.bfloat16)
