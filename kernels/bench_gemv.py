@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,40 @@ def skinny_candidates(n: int, k: int, quick: bool) -> list[sg.SkinnyConfig]:
     return sorted(out, key=lambda c: (c.block_n, c.block_k, c.split_k))
 
 
+def checked_times(
+    name: str,
+    m: int,
+    cands: list[gv.GemvConfig | sg.SkinnyConfig],
+    run: Callable[[torch.Tensor, torch.Tensor, gv.GemvConfig | sg.SkinnyConfig], torch.Tensor],
+    ref: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    bound: float,
+    weights: list[torch.Tensor],
+    pick: Callable[[], torch.Tensor],
+    x: torch.Tensor,
+) -> dict[gv.GemvConfig | sg.SkinnyConfig, float]:
+    """Microseconds of `run(x, W, cfg)` per candidate, over rotating weights. Each candidate is
+    first checked twice on fresh data: relative error against `ref` within `bound`, a rerun
+    bit-identical, split-K counters re-armed (else the program stops). Candidates too large
+    for shared memory are left out."""
+    k = x.shape[1]
+    times: dict[gv.GemvConfig | sg.SkinnyConfig, float] = {}
+    for cfg in dict.fromkeys(cands):
+        for _ in range(2):  # fresh data each time
+            w, xx = weights[0], torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            try:
+                out = run(xx, w, cfg)
+            except triton.runtime.errors.OutOfResources:
+                break
+            err = rel_err(out.float(), ref(xx, w).float())
+            if not err <= bound or not torch.equal(out, run(xx, w, cfg)):
+                raise SystemExit(f"{name} M={m} {cfg}: relative error {err:.2e} or reruns differ")
+            if any(c.any().item() for _, c in sg._WORKSPACE._by_device.values()):
+                raise SystemExit(f"{name} M={m} {cfg}: split-K counters not re-armed")
+        else:
+            times[cfg] = bench(lambda cfg=cfg: run(x, pick(), cfg))
+    return times
+
+
 def time_skinny(
     name: str, n: int, k: int, m: int, copy: float, quick: bool
 ) -> tuple[str, sg.SkinnyConfig | None]:
@@ -132,17 +167,11 @@ def time_skinny(
     )
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cublas = bench(lambda: F.linear(x, pick()))
-    times: dict[sg.SkinnyConfig, float] = {}
-    for cfg in skinny_candidates(n, k, quick):
-        for _ in range(2):  # fresh data each time
-            w, xx = weights[0], torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = sg.skinny_gemm(xx, w, config=cfg)
-            err = rel_err(out.float(), xx.float() @ w.float().t())
-            if not err <= 4e-3 or not torch.equal(out, sg.skinny_gemm(xx, w, config=cfg)):
-                raise SystemExit(f"{name} M={m} {cfg}: relative error {err:.2e} or reruns differ")
-            if any(c.any().item() for _, c in sg._WORKSPACE._by_device.values()):
-                raise SystemExit(f"{name} M={m} {cfg}: split-K counters not re-armed")
-        times[cfg] = bench(lambda cfg=cfg: sg.skinny_gemm(x, pick(), config=cfg))
+    times = checked_times(
+        name, m, skinny_candidates(n, k, quick),
+        lambda xx, w, cfg: sg.skinny_gemm(xx, w, config=cfg),
+        lambda xx, w: xx.float() @ w.float().t(), 4e-3, weights, pick, x,
+    )  # fmt: skip
     best = min(times, key=times.__getitem__)
     with programmatic_launch(True):
         chained = bench(lambda: sg.skinny_gemm(x, pick(), config=best))
@@ -187,26 +216,14 @@ def time_gated(
         cands += [dataclasses.replace(c, block_n=max(1, c.block_n // 2)) for c in plain]
     else:
         cands = list(skinny_candidates(n // 2, k, quick))
-    times: dict[gv.GemvConfig | sg.SkinnyConfig, float] = {}
-    for cfg in dict.fromkeys(cands):
-        run = functools.partial(gv.gemv if m == 1 else sg.skinny_gemm, config=cfg, gated=True)
-        for _ in range(2):  # fresh data each time
-            w, xx = weights[0], torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            try:
-                out = run(xx, w)
-            except triton.runtime.errors.OutOfResources:  # two weight tiles per stage
-                break
-
-            ref = gv.swiglu_tail((xx.float() @ w.float().t()).to(xx.dtype), True)
-            err = rel_err(out.float(), ref.float())
-            if not err <= 8e-3 or not torch.equal(out, run(xx, w)):
-                raise SystemExit(f"{name} M={m} {cfg}: relative error {err:.2e} or reruns differ")
-            if any(c.any().item() for _, c in sg._WORKSPACE._by_device.values()):
-                raise SystemExit(f"{name} M={m} {cfg}: split-K counters not re-armed")
-        else:
-            times[cfg] = bench(lambda run=run: run(x, pick()))
+    kernel = gv.gemv if m == 1 else sg.skinny_gemm
+    times = checked_times(
+        name, m, cands, lambda xx, w, cfg: kernel(xx, w, config=cfg, gated=True),
+        lambda xx, w: gv.swiglu_tail((xx.float() @ w.float().t()).to(xx.dtype), True),
+        8e-3, weights, pick, x,
+    )  # fmt: skip
     best = min(times, key=times.__getitem__)
-    run = functools.partial(gv.gemv if m == 1 else sg.skinny_gemm, config=best, gated=True)
+    run = functools.partial(kernel, config=best, gated=True)
     with programmatic_launch(True):
         chained = bench(lambda: run(x, pick()))
     entry = best if times[best] < 0.99 * unfused else None
