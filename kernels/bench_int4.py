@@ -81,8 +81,8 @@ def check(run, weights, m: int, k: int, dtype: torch.dtype, group: int) -> float
 
 def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | mma.MmaConfig]:
     """A few block shapes of the kernels that serve M, each split to about the given numbers
-    of programs per SM of a 132-SM part (fewer for groups under 128: a second look); for
-    M > 1 also the Gluon mma.sync kernel's shapes where it runs."""
+    of programs per SM of a 132-SM part (fewer for groups under 128: a second look); also
+    the Gluon mma.sync kernel's shapes where it runs, with scales before and after the dot."""
     if m == 1:  # (block_n, block_kp, warps, programs per SM), CUDA-core kernel
         shapes = [(64, 16, 4, (7, 4, 12)), (64, 32, 4, (7,)), (128, 16, 8, (4, 7))]
         shapes.append((64, 8, 4, (7,)))
@@ -96,9 +96,12 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | 
                 cfg = gv.GemvConfig(bn, bkp, split, m > 1, warps, 3 if m > 1 else 1, packed)
                 if cfg not in out:
                     out.append(cfg)
-    if m > 1 and mma.mma_supported(torch.bfloat16):  # Gluon mma.sync: (warps, rep, blocks)
+    if mma.mma_supported(torch.bfloat16):  # Gluon mma.sync: (warps, rep, blocks)
         for warps, rep, blocks in [(2, 2, 4), (1, 2, 4), (4, 2, 4), (4, 1, 4), (4, 2, 2)]:
             out.append(mma.MmaConfig(warps, rep, blocks))  # split: one wave of what fits
+            for regs in (128, 0):  # scales after the dot, with and without a register limit
+                out.append(mma.MmaConfig(warps, rep, blocks, 0, True, regs))
+    if m > 1 and mma.mma_supported(torch.bfloat16):
         shape = mma.MmaConfig(2, 2, 4)
         for per_sm in (4, 8):  # the earlier rule: a fixed number of programs per SM
             split = even_split(shape.steps(k), triton.cdiv(n, shape.block_n), per_sm)

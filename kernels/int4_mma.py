@@ -19,9 +19,10 @@ shared memory on the way from a 16-byte load of packed words to the tensor core:
 
 so lane t of a block owns word t, and the nibble pair (i, i + 4) of a word (i = 2 ch + h8) is
 one 32-bit operand register: `(word >> 4 i) & 0x000F000F | 0x43004300` is (128 + q_i, 128 +
-q_{i+4}) as bf16x2 (0x6400: 1024 + q as f16x2), then two packed FMAs give q s - z (`_dequant_ptx`,
-inline PTX). Rows are permuted the same way, so a lane loads 2 REP consecutive columns n of a
-packed row in one vector load:
+q_{i+4}) as bf16x2 (0x6400: 1024 + q as f16x2), then two packed FMAs give q s - z
+(`_nibbles_ptx`, inline PTX; no FMAs at all with the scales after the dot, below). Rows are
+permuted the same way, so a lane loads 2 REP consecutive columns n of a packed row in one
+vector load:
 
     real n = 16 REP w + 2 REP g + 2 rep + h    for warp w, lane row g, repeat rep, half h
     row of the instruction tile = 16 WARPS rep + 16 w + 8 h + g
@@ -42,6 +43,18 @@ depend on the order of arrival (slabs and counters are per device, so calls on o
 must be ordered: one stream, as the engine runs). The split is chosen per call
 (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
 the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
+
+Up to 8 rows (`default_mma_config`), where a step lies in one group, the weights are not
+dequantized before the dot at all (`MmaConfig.scales_after`): the first operand is magic + q
+as the LOP3 leaves it (128 + q in bf16, 1024 + q in fp16, both exact), an all-ones operand
+against the same x gives every row's sum(x) for the step, and the float32 sums take the
+group's scale and zero afterwards, per column:
+
+    sum_k (q s - z) x = s sum_k (c + q) x - (c s + z) sum_k x        (c the magic)
+
+That drops the two packed FMAs per pair of weights for two float32 FMAs per output sum and
+step, and the weights are no longer rounded to 16 bits before the dot: the relative error
+against the float32 reference falls from 2.5e-3 to about 1e-4.
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
 `int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
@@ -74,10 +87,11 @@ from llmfleet.kernels.triton_utils import ZeroedWorkspace, interpreting, nvidia_
 MAX_M = 16
 
 
-def _dequant_ptx(fp16: bool) -> str:
-    """$8 a packed word, $9 its scale and $10 its negated zero, each twice in a 32-bit register
-    (`_PACK_SCALE`, `_PACK_NEG_ZERO`) -> $0..$7 the weights q s - z of nibbles 0..7, nibble i
-    and i + 4 formed together in one 32-bit register pair."""
+def _nibbles_ptx(fp16: bool, scaled: bool) -> str:
+    """$8 a packed word -> $0..$7 nibbles 0..7, nibble i and i + 4 formed together in one 32-bit
+    register: magic + q (exact; one LOP3, and a shift, per pair), or with `scaled`, given $9
+    its scale and $10 its negated zero, each twice in a 32-bit register (`_PACK_SCALE`,
+    `_PACK_NEG_ZERO`), the weights q s - z."""
     magic, one, off, fma = (
         ("0x64006400", "0x3C003C00", "0xE400E400", "fma.rn.f16x2")  # 1024.0, 1.0, -1024.0
         if fp16
@@ -89,17 +103,16 @@ def _dequant_ptx(fp16: bool) -> str:
         if i:
             body.append(f"shr.u32 t, $8, {4 * i};")
             src = "t"
-        body += [
-            f"lop3.b32 v, {src}, m, c, 0xEA;",  # (src & m) | c: 16-bit halves magic + q
-            f"{fma} q, v, one, off;",  # q, exact
-            f"{fma} w, q, $9, $10;",  # q s - z, rounded once
-            f"mov.b32 {{${i}, ${i + 4}}}, w;",
-        ]
-    return (
-        "{\n.reg .b32 t, v, q, w, m, c, one, off;\n"
-        f"mov.b32 m, 0x000F000F;\nmov.b32 c, {magic};\nmov.b32 one, {one};\n"
-        f"mov.b32 off, {off};\n" + "\n".join(body) + "\n}"
-    )
+        body.append(f"lop3.b32 v, {src}, m, c, 0xEA;")  # (src & m) | c: halves magic + q
+        if scaled:
+            body.append(f"{fma} q, v, one, off;")  # q, exact
+            body.append(f"{fma} v, q, $9, $10;")  # q s - z, rounded once
+        body.append(f"mov.b32 {{${i}, ${i + 4}}}, v;")
+    regs, consts = "t, v, m, c", f"mov.b32 m, 0x000F000F;\nmov.b32 c, {magic};\n"
+    if scaled:
+        regs += ", q, one, off"
+        consts += f"mov.b32 one, {one};\nmov.b32 off, {off};\n"
+    return f"{{\n.reg .b32 {regs};\n{consts}" + "\n".join(body) + "\n}"
 
 
 # $1 a 16-bit scale (zero) -> $0 the scale (the negated zero) in both halves, made once per
@@ -114,12 +127,18 @@ class MmaConfig:
     rep: int  # 16-row tiles per warp (1 or 2): each lane loads 2 rep consecutive columns
     blocks: int  # blocks of 32 k per step (a power of two)
     split_k: int = 0  # 0: chosen per call so the grid is one wave of the programs that fit
+    # dot of the raw nibbles (magic + q), scales and zeros applied to its float32 sums after,
+    # where every step lies in one group (G a multiple of 32 blocks); else dequantize first
+    scales_after: bool = False
+    max_regs: int = 0  # ptxas register limit per thread (maxnreg); 0: ptxas chooses
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8) or self.rep not in (1, 2):
             raise ValueError(f"warps must be 1, 2, 4 or 8 and rep 1 or 2, got {self}")
         if self.blocks not in (1, 2, 4, 8) or self.split_k < 0:
             raise ValueError(f"blocks must be 1, 2, 4 or 8 and split_k >= 0, got {self}")
+        if self.max_regs and not 32 <= self.max_regs <= 255:
+            raise ValueError(f"max_regs must be 0 or 32..255, got {self}")
 
     @property
     def block_n(self) -> int:
@@ -129,11 +148,18 @@ class MmaConfig:
         """K steps of a K-long product (4 packed words of 8 k per block)."""
         return triton.cdiv(k // 8, 4 * self.blocks)
 
+    def scales_after_dot(self, group_size: int) -> bool:
+        """Whether this config takes the scales-after path for groups of `group_size`."""
+        return self.scales_after and group_size % (32 * self.blocks) == 0
+
 
 if HAVE_GLUON:
-    _DEQUANT_BF16 = gl.constexpr(_dequant_ptx(False))
-    _DEQUANT_F16 = gl.constexpr(_dequant_ptx(True))
+    _DEQUANT_BF16 = gl.constexpr(_nibbles_ptx(False, scaled=True))
+    _DEQUANT_F16 = gl.constexpr(_nibbles_ptx(True, scaled=True))
     _DEQUANT_IO = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")  # 8 weights <- word, s, -z
+    _RAW_BF16 = gl.constexpr(_nibbles_ptx(False, scaled=False))
+    _RAW_F16 = gl.constexpr(_nibbles_ptx(True, scaled=False))
+    _RAW_IO = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r")  # 8 x (magic + q) <- word
     _PACK_S = gl.constexpr(_PACK_SCALE)
     _PACK_NZ = gl.constexpr(_PACK_NEG_ZERO)
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after triton 3.6
@@ -169,6 +195,21 @@ if HAVE_GLUON:
         warp_bases = [[128 * nt * rep << i] for i in range(int(math.log2(warps)))]
         return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [128 * nt * rep * warps])
 
+    @gluon.constexpr_function
+    def _cols_layout(warps, rep):
+        """(BLOCK_N,) scales or zeros by real column: lane (g, t) holds the 2 REP consecutive
+        columns 2 REP g .. of its warp's 16 REP (one vector load), as the accumulator's rows."""
+        regs = [[1]] + ([[2]] if rep == 2 else [])
+        lanes = [[0], [0]] + [[2 * rep << i] for i in range(3)]
+        warp_bases = [[16 * rep << i] for i in range(int(math.log2(warps)))]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps * rep])
+
+    @gluon.jit
+    def _acc_rows(v, row_layout: gl.constexpr, WARPS: gl.constexpr, REP: gl.constexpr):
+        """(BN,) by real column (`_cols_layout`) -> by accumulator row (rep, w, h, g)."""
+        t = v.reshape([WARPS, 8, REP, 2]).permute([2, 0, 3, 1]).reshape([16 * WARPS * REP])
+        return gl.convert_layout(t, row_layout, assert_trivial=True)
+
     @gluon.jit
     def _weights_operand(words, s, z, a_layout: gl.constexpr, FP16: gl.constexpr,
                          WARPS: gl.constexpr, REP: gl.constexpr, BLOCKS: gl.constexpr):  # fmt: skip
@@ -185,13 +226,35 @@ if HAVE_GLUON:
             nz2 = gl.broadcast(nz2[:, None], words)[0]
         args = [words, s2, nz2]
         if FP16:
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            nibbles = gl.inline_asm_elementwise(
                 _DEQUANT_F16, _DEQUANT_IO, args, dtype=(gl.int16,) * 8, is_pure=True, pack=1
             )
         else:
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            nibbles = gl.inline_asm_elementwise(
                 _DEQUANT_BF16, _DEQUANT_IO, args, dtype=(gl.int16,) * 8, is_pure=True, pack=1
             )
+        return _operand(nibbles, a_layout, FP16, WARPS, REP, BLOCKS)
+
+    @gluon.jit
+    def _raw_operand(words, a_layout: gl.constexpr, FP16: gl.constexpr, WARPS: gl.constexpr,
+                     REP: gl.constexpr, BLOCKS: gl.constexpr):  # fmt: skip
+        """(BN, 4 BLOCKS) words -> the (BN, 32 BLOCKS) first operand magic + q (exact: 128 + q
+        in bf16, 1024 + q in fp16), rows and k permuted as in `_weights_operand`."""
+        if FP16:
+            nibbles = gl.inline_asm_elementwise(
+                _RAW_F16, _RAW_IO, [words], dtype=(gl.int16,) * 8, is_pure=True, pack=1
+            )
+        else:
+            nibbles = gl.inline_asm_elementwise(
+                _RAW_BF16, _RAW_IO, [words], dtype=(gl.int16,) * 8, is_pure=True, pack=1
+            )
+        return _operand(nibbles, a_layout, FP16, WARPS, REP, BLOCKS)
+
+    @gluon.jit
+    def _operand(nibbles, a_layout: gl.constexpr, FP16: gl.constexpr, WARPS: gl.constexpr,
+                 REP: gl.constexpr, BLOCKS: gl.constexpr):  # fmt: skip
+        """The 8 16-bit values of every word (nibble 0..7) -> the (BN, 32 BLOCKS) operand."""
+        o0, o1, o2, o3, o4, o5, o6, o7 = nibbles
         # [..., odd, ch, h8] = nibble 4 odd + 2 ch + h8
         t = gl.join(
             gl.join(gl.join(o0, o4), gl.join(o2, o6)), gl.join(gl.join(o1, o5), gl.join(o3, o7))
@@ -214,17 +277,23 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_step(
         x_ptr, qw_ptr, s_ptr, z_ptr, step, limit, w_off, n_ok, offs_c, x_off, offs_xk, offs_n,
-        stride_qk, stride_sg,
+        stride_qk, stride_sg, offs_sn, sn_ok,
         GROUP_SIZE: gl.constexpr, BKW: gl.constexpr, EVEN_K: gl.constexpr, EVEN_N: gl.constexpr,
+        SCALE_AFTER: gl.constexpr,
     ):  # fmt: skip
         """Words, scales, zeros and x of one K step, addressed as a scalar step base plus
         offsets fixed for the program. Unless the shape is even (EVEN_K, EVEN_N), packed rows
         from `limit` on and columns from N on read as zeros with zero scales (so they
-        dequantize to 0, not to -z); x rows past M were clamped to row M - 1 by the caller."""
+        dequantize to 0, not to -z); x rows past M were clamped to row M - 1 by the caller.
+        With SCALE_AFTER (one group per step, so K is even) the step's scales and zeros are
+        a vector by real column in `_cols_layout`, masked by column only."""
         kw = step * BKW  # first packed row of the step
         qw = qw_ptr + kw.to(gl.int64) * stride_qk
         ok = n_ok[:, None] & ((kw + offs_c) < limit)[None, :]  # unused (and dropped) if even
-        if GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
+        if SCALE_AFTER:  # one group per step: a vector per step, one 8-byte load per lane
+            g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_sn
+            g_ok = sn_ok & (kw < limit)
+        elif GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
             g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_n
             g_ok = n_ok & (kw < limit)
         else:
@@ -257,6 +326,7 @@ if HAVE_GLUON:
         FP16: gl.constexpr, WARPS: gl.constexpr, REP: gl.constexpr, BLOCKS: gl.constexpr,
         EVEN_K: gl.constexpr,  # K // 8 is a whole number of steps
         EVEN_N: gl.constexpr,  # N is a whole number of column tiles
+        SCALE_AFTER: gl.constexpr,  # dot of magic + q, scales applied after (G % step == 0)
     ):  # fmt: skip
         BN: gl.constexpr = 16 * WARPS * REP
         BKW: gl.constexpr = 4 * BLOCKS
@@ -278,6 +348,11 @@ if HAVE_GLUON:
         offs_xm = gl.minimum(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl)), M - 1)
         offs_xk = gl.arange(0, 8 * BKW, layout=gl.SliceLayout(0, xl))
         x_off = offs_xm[:, None] * stride_xm + offs_xk[None, :]  # x of step 0
+        # SCALE_AFTER: scales loaded by real column, used by accumulator row; the all-ones
+        # first operand gives each row sum(x) of the step (unused, and dropped, otherwise)
+        offs_sn = pid_n * BN + gl.arange(0, BN, layout=_cols_layout(WARPS, REP))
+        sn_ok = offs_sn < N
+        ones = gl.full([BN, 32 * BLOCKS], 1.0, gl.float16 if FP16 else gl.bfloat16, layout=a_l)
         kp_total = K // 8
         steps = gl.cdiv(kp_total, BKW)
         per_split = gl.cdiv(steps, SPLIT_K)
@@ -291,16 +366,27 @@ if HAVE_GLUON:
         # no masks at all
         words, s, z, xt = _load_step(
             x_ptr, qw_ptr, s_ptr, z_ptr, gl.minimum(step_begin, steps - 1), limit, w_off, n_ok,
-            offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, GROUP_SIZE, BKW, EVEN_K, EVEN_N,
+            offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, offs_sn, sn_ok, GROUP_SIZE, BKW,
+            EVEN_K, EVEN_N, SCALE_AFTER,
         )  # fmt: skip
         for step in range(step_begin, step_end):
             nxt_words, nxt_s, nxt_z, nxt_x = _load_step(
                 x_ptr, qw_ptr, s_ptr, z_ptr, gl.minimum(step + 1, step_end - 1), limit, w_off,
-                n_ok, offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, GROUP_SIZE, BKW,
-                EVEN_K, EVEN_N,
+                n_ok, offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, offs_sn, sn_ok,
+                GROUP_SIZE, BKW, EVEN_K, EVEN_N, SCALE_AFTER,
             )  # fmt: skip
-            a = _weights_operand(words, s, z, a_l, FP16, WARPS, REP, BLOCKS)
-            acc = mma_v2(a, _x_operand(xt, b_l, BLOCK_M, BLOCKS), acc)
+            if SCALE_AFTER:  # sum (q s - z) x = s sum((c + q) x) - (c s + z) sum(x), c = magic
+                xb = _x_operand(xt, b_l, BLOCK_M, BLOCKS)
+                zero = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)
+                part = mma_v2(_raw_operand(words, a_l, FP16, WARPS, REP, BLOCKS), xb, zero)
+                x_sum = mma_v2(ones, xb, zero)
+                sf = _acc_rows(s, gl.SliceLayout(1, mma), WARPS, REP).to(gl.float32)
+                zf = sf * (1024.0 if FP16 else 128.0)
+                zf += _acc_rows(z, gl.SliceLayout(1, mma), WARPS, REP).to(gl.float32)
+                acc = acc + sf[:, None] * part - zf[:, None] * x_sum
+            else:
+                a = _weights_operand(words, s, z, a_l, FP16, WARPS, REP, BLOCKS)
+                acc = mma_v2(a, _x_operand(xt, b_l, BLOCK_M, BLOCKS), acc)
             words, s, z, xt = nxt_words, nxt_s, nxt_z, nxt_x
 
         # the sums, renamed in registers into a flat order where each lane holds 4 consecutive
@@ -350,8 +436,17 @@ def mma_supported(dtype: torch.dtype) -> bool:
 
 # 2 warps of 2 row tiles, 128 k per step, split per call: the fastest or within 1 us of the
 # fastest of nine shapes at M = 4, 8 and 16 on an H100, 4096 x 14336 weights both ways, groups
-# 32 and 128 (docs/benchmarks.md, ninth session)
+# 32 and 128 (docs/benchmarks.md, ninth session). Up to 8 rows the scales go after the dot,
+# compiled with at most 128 registers: on an H200 7-9% faster at M = 1..8 than dequantizing
+# first (without the limit ptxas chose about 80 registers and it was slower); at M = 16 the
+# extra float32 work per step made it 2-7% slower (docs/benchmarks.md, fifteenth session).
 DEFAULT_MMA_CONFIG = MmaConfig(2, 2, 4, 0)
+DEFAULT_MMA_CONFIG_8 = MmaConfig(2, 2, 4, 0, scales_after=True, max_regs=128)
+
+
+def default_mma_config(m: int) -> MmaConfig:
+    """The config `int4_mma` runs for M rows when none is given."""
+    return DEFAULT_MMA_CONFIG_8 if m <= 8 else DEFAULT_MMA_CONFIG
 
 
 # split-K partial sums (scratch, written before read) and arrival counters (zero between calls)
@@ -374,7 +469,7 @@ def programs_per_sm(compiled, warps: int, device: torch.device) -> int:
 
 
 def int4_mma(
-    x: torch.Tensor,  # (M, K) fp16/bf16, 1 <= M <= 16, unit stride along K
+    x: torch.Tensor,  # (M, K) fp16/bf16, M <= 16, unit stride along K
     qweight: torch.Tensor,  # (K // 8, N) int32
     scales: torch.Tensor,  # (K // G, N) x.dtype
     zeros: torch.Tensor,  # (K // G, N) x.dtype
@@ -387,7 +482,7 @@ def int4_mma(
     n = qweight.shape[1]
     if m > MAX_M:
         raise ValueError(f"int4_mma serves M <= {MAX_M}, got M={m}")
-    cfg = config or DEFAULT_MMA_CONFIG
+    cfg = config or default_mma_config(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -398,8 +493,11 @@ def int4_mma(
     consts = dict(
         GROUP_SIZE=group_size, BLOCK_M=block_m, FP16=x.dtype == torch.float16,
         WARPS=cfg.warps, REP=cfg.rep, BLOCKS=cfg.blocks, EVEN_K=(k // 8) % (4 * cfg.blocks) == 0,
-        EVEN_N=n % cfg.block_n == 0, num_warps=cfg.warps,
+        EVEN_N=n % cfg.block_n == 0, SCALE_AFTER=cfg.scales_after_dot(group_size),
+        num_warps=cfg.warps,
     )  # fmt: skip
+    if cfg.max_regs:
+        consts["maxnreg"] = cfg.max_regs
     args = [
         x, qweight, scales, zeros, out, None, None, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),

@@ -10,6 +10,7 @@ checked against the float32 reference on the GPU (`@pytest.mark.gpu`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 
@@ -79,12 +80,12 @@ def _compile_sm90(fp16: bool, block_m: int, group: int, cfg: mma.MmaConfig, even
     constexprs = dict(
         GROUP_SIZE=group, SPLIT_K=cfg.split_k, BLOCK_M=block_m, FP16=fp16, WARPS=cfg.warps,
         REP=cfg.rep, BLOCKS=cfg.blocks, EVEN_K=even, EVEN_N=even,
+        SCALE_AFTER=cfg.scales_after_dot(group),
     )  # fmt: skip
     src = GluonASTSource(mma._int4_mma_kernel, sig, constexprs, aligned)
+    options = {"num_warps": cfg.warps} | ({"maxnreg": cfg.max_regs} if cfg.max_regs else {})
     with _pristine_language():
-        return triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.warps}
-        )
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @needs_gluon
@@ -96,19 +97,26 @@ def _compile_sm90(fp16: bool, block_m: int, group: int, cfg: mma.MmaConfig, even
         (True, 8, 32, 1),
         (False, 12, 32, 2),
         (True, 2, 64, 1),
+        (False, 1, 128, 3),
+        (True, 6, 256, 2),
     ],
 )
 def test_int4_mma_compiles_to_register_only_operands(fp16, m, group, split) -> None:
     """Every default shape compiles for sm_90 (the operand conversions are proven trivial),
     runs on m16n8k16 tensor-core instructions, reads the words 16 bytes at a time and uses no
-    shared memory (with split-K, a few bytes for the arrival count's broadcast)."""
-    cfg = mma.DEFAULT_MMA_CONFIG
-    cfg = mma.MmaConfig(cfg.warps, cfg.rep, cfg.blocks, split)
+    shared memory (with split-K, a few bytes for the arrival count's broadcast). Up to 8 rows,
+    where a step lies in one group, the weights meet the tensor cores undequantized (no packed
+    FMAs) and the register limit holds."""
+    cfg = mma.default_mma_config(m)
+    cfg = dataclasses.replace(cfg, split_k=split)
     kernel = _compile_sm90(fp16, 8 if m <= 8 else 16, group, cfg)
     ptx = kernel.asm["ptx"]
     kind = "f16" if fp16 else "bf16"
     assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{kind}\.{kind}\.f32", ptx)
-    assert f"fma.rn.{kind}x2" in ptx
+    after = m <= 8 and group % 128 == 0
+    assert cfg.scales_after_dot(group) == after
+    assert (f"fma.rn.{kind}x2" in ptx) == (not after)
+    assert (".maxnreg 128" in ptx) == (m <= 8)
     if split == 1:
         assert "ld.shared" not in ptx and "st.shared" not in ptx
         assert kernel.metadata.shared == 0
@@ -145,7 +153,16 @@ def test_mma_config_validation_and_defaults() -> None:
         mma.MmaConfig(4, 2, 3, 1)
     with pytest.raises(ValueError, match="split_k"):
         mma.MmaConfig(4, 2, 4, -1)
+    with pytest.raises(ValueError, match="max_regs"):
+        mma.MmaConfig(2, 2, 4, 0, True, 16)
     assert mma.DEFAULT_MMA_CONFIG == mma.MmaConfig(2, 2, 4, 0)  # split per call
+    assert mma.default_mma_config(9) == mma.DEFAULT_MMA_CONFIG
+    assert mma.default_mma_config(1) == mma.MmaConfig(2, 2, 4, 0, True, 128)
+    # scales after the dot only where every step (32 x blocks k) lies in one group
+    assert [mma.MmaConfig(2, 2, 2, 0, True).scales_after_dot(g) for g in (32, 64, 128, 96)] == [
+        False, True, True, False,
+    ]  # fmt: skip
+    assert not mma.MmaConfig(2, 2, 2).scales_after_dot(128)
     assert mma.DEFAULT_MMA_CONFIG.block_n == 64
 
 
@@ -276,6 +293,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         (16, 1000, 2048, 128, mma.MmaConfig(2, 1, 1, 3)),  # 32 k per step, one row tile
         (7, 512, 512, 256, mma.MmaConfig(8, 2, 8, 1)),  # a whole step per group, no split
         (4, 256, 4096, 32, mma.MmaConfig(1, 2, 4, 64)),  # one warp; more splits than SMs
+        (1, 4136, 4096, 128, None),  # one row, scales after the dot; ragged N
+        (3, 33, 1024, 64, mma.MmaConfig(4, 2, 2, 7, True)),  # scales after: odd N, uneven splits
+        (16, 1000, 2048, 128, mma.MmaConfig(2, 1, 1, 3, True, 96)),  # 16 rows, scales after
+        (6, 512, 512, 256, mma.MmaConfig(8, 2, 8, 1, True)),  # scales after, no split
     ],
 )
 def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
@@ -294,6 +315,24 @@ def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
         assert torch.equal(out, again)
     _, counters = mma._WORKSPACE.get(torch.device("cuda"), 0, 0)
     assert counters.abs().max().item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8, 9])
+def test_scales_after_the_dot_keep_the_weights_unrounded(m) -> None:
+    """Up to 8 rows the default path applies the scales to float32 sums, so its only rounding
+    is the output's: within 1e-3 of the float32 reference (dequantizing to bf16 first gives
+    about 2.5e-3, as at 9 rows), on both orientations of a Llama-3-8B MLP weight."""
+    torch.manual_seed(m)
+    for n, k in [(14336, 4096), (4096, 14336)]:
+        qweight, scales, zeros = random_int4(k, n, 128, torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        err = _rel_err(
+            i4.int4_matmul(x, qweight, scales, zeros, 128),
+            ip.int4_matmul_ref(x, qweight, scales, zeros, 128),
+        )
+        assert (err < 1e-3) == (m <= 8), (n, k, err)
+        assert err < 1e-2
 
 
 @pytest.mark.gpu
@@ -322,12 +361,15 @@ def test_int4_mma_graph_replays_after_the_workspace_grew() -> None:
 
 @pytest.mark.gpu
 def test_int4_matmul_takes_int4_mma_for_small_batches() -> None:
-    """The default path for 1 < M <= 16 is the Gluon kernel, and a strided x (a view of a
-    wider batch) gives the same result as a contiguous one."""
+    """The default path for M <= 16 is the Gluon kernel (one row included), and a strided x
+    (a view of a wider batch) gives the same result as a contiguous one."""
     assert mma.mma_supported(torch.bfloat16)
     qweight, scales, zeros = random_int4(2048, 512, 128, torch.bfloat16)
-    wide = torch.randn(6, 4096, device="cuda", dtype=torch.bfloat16)
-    x = wide[:, :2048]
-    out = i4.int4_matmul(x, qweight, scales, zeros, 128)
-    torch.testing.assert_close(out, i4.int4_matmul(x.contiguous(), qweight, scales, zeros, 128))
-    assert _rel_err(out, ip.int4_matmul_ref(x, qweight, scales, zeros, 128)) < 1e-2
+    for rows in (1, 6):
+        wide = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        x = wide[:, :2048]
+        out = i4.int4_matmul(x, qweight, scales, zeros, 128)
+        assert torch.equal(out, mma.int4_mma(x, qweight, scales, zeros, 128))
+        contiguous = i4.int4_matmul(x.contiguous(), qweight, scales, zeros, 128)
+        torch.testing.assert_close(out, contiguous)
+        assert _rel_err(out, ip.int4_matmul_ref(x, qweight, scales, zeros, 128)) < 1e-2
