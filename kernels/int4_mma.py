@@ -438,8 +438,9 @@ def mma_supported(dtype: torch.dtype) -> bool:
 # fastest of nine shapes at M = 4, 8 and 16 on an H100, 4096 x 14336 weights both ways, groups
 # 32 and 128 (docs/benchmarks.md, ninth session). Up to 8 rows the scales go after the dot,
 # compiled with at most 128 registers: on an H200 7-9% faster at M = 1..8 than dequantizing
-# first (without the limit ptxas chose about 80 registers and it was slower); at M = 16 the
-# extra float32 work per step made it 2-7% slower (docs/benchmarks.md, fifteenth session).
+# first, on an H100 within 2% (without the limit ptxas chose about 80 registers and it was
+# slower); at M = 16 the extra float32 work per step made it 2-7% slower (docs/benchmarks.md,
+# fifteenth session).
 DEFAULT_MMA_CONFIG = MmaConfig(2, 2, 4, 0)
 DEFAULT_MMA_CONFIG_8 = MmaConfig(2, 2, 4, 0, scales_after=True, max_regs=128)
 
