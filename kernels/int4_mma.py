@@ -276,29 +276,25 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_step(
-        x_ptr, qw_ptr, s_ptr, z_ptr, step, limit, w_off, n_ok, offs_c, x_off, offs_xk, offs_n,
-        stride_qk, stride_sg, offs_sn, sn_ok,
+        x_ptr, qw_ptr, s_ptr, z_ptr, step, limit, w_off, n_ok, offs_c, x_off, offs_xk, offs_s,
+        s_ok, stride_qk, stride_sg,
         GROUP_SIZE: gl.constexpr, BKW: gl.constexpr, EVEN_K: gl.constexpr, EVEN_N: gl.constexpr,
-        SCALE_AFTER: gl.constexpr,
     ):  # fmt: skip
         """Words, scales, zeros and x of one K step, addressed as a scalar step base plus
         offsets fixed for the program. Unless the shape is even (EVEN_K, EVEN_N), packed rows
         from `limit` on and columns from N on read as zeros with zero scales (so they
         dequantize to 0, not to -z); x rows past M were clamped to row M - 1 by the caller.
-        With SCALE_AFTER (one group per step, so K is even) the step's scales and zeros are
-        a vector by real column in `_cols_layout`, masked by column only."""
+        Scales and zeros are read at columns `offs_s` (valid where `s_ok`): the words' own
+        columns, or with the scales after the dot, a vector in `_cols_layout`."""
         kw = step * BKW  # first packed row of the step
         qw = qw_ptr + kw.to(gl.int64) * stride_qk
         ok = n_ok[:, None] & ((kw + offs_c) < limit)[None, :]  # unused (and dropped) if even
-        if SCALE_AFTER:  # one group per step: a vector per step, one 8-byte load per lane
-            g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_sn
-            g_ok = sn_ok & (kw < limit)
-        elif GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
-            g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_n
-            g_ok = n_ok & (kw < limit)
+        if GROUP_SIZE >= 8 * BKW:  # the step lies in one group: a vector per step
+            g_off = ((kw * 8) // GROUP_SIZE) * stride_sg + offs_s
+            g_ok = s_ok & (kw < limit)
         else:
             g_off = (((kw + offs_c) * 8) // GROUP_SIZE)[None, :].to(gl.int64) * stride_sg
-            g_off = g_off + offs_n[:, None]
+            g_off = g_off + offs_s[:, None]
             g_ok = ok
         if EVEN_K and EVEN_N:
             words = gl.load(qw + w_off)
@@ -348,11 +344,12 @@ if HAVE_GLUON:
         offs_xm = gl.minimum(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl)), M - 1)
         offs_xk = gl.arange(0, 8 * BKW, layout=gl.SliceLayout(0, xl))
         x_off = offs_xm[:, None] * stride_xm + offs_xk[None, :]  # x of step 0
-        # SCALE_AFTER: scales loaded by real column, used by accumulator row; the all-ones
-        # first operand gives each row sum(x) of the step (unused, and dropped, otherwise)
-        offs_sn = pid_n * BN + gl.arange(0, BN, layout=_cols_layout(WARPS, REP))
-        sn_ok = offs_sn < N
-        ones = gl.full([BN, 32 * BLOCKS], 1.0, gl.float16 if FP16 else gl.bfloat16, layout=a_l)
+        if SCALE_AFTER:  # scales loaded by real column, used by accumulator row
+            offs_s = pid_n * BN + gl.arange(0, BN, layout=_cols_layout(WARPS, REP))
+            s_ok = offs_s < N
+        else:  # scales in the words' layout
+            offs_s = offs_n
+            s_ok = n_ok
         kp_total = K // 8
         steps = gl.cdiv(kp_total, BKW)
         per_split = gl.cdiv(steps, SPLIT_K)
@@ -366,20 +363,21 @@ if HAVE_GLUON:
         # no masks at all
         words, s, z, xt = _load_step(
             x_ptr, qw_ptr, s_ptr, z_ptr, gl.minimum(step_begin, steps - 1), limit, w_off, n_ok,
-            offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, offs_sn, sn_ok, GROUP_SIZE, BKW,
-            EVEN_K, EVEN_N, SCALE_AFTER,
+            offs_c, x_off, offs_xk, offs_s, s_ok, stride_qk, stride_sg, GROUP_SIZE, BKW, EVEN_K,
+            EVEN_N,
         )  # fmt: skip
         for step in range(step_begin, step_end):
             nxt_words, nxt_s, nxt_z, nxt_x = _load_step(
                 x_ptr, qw_ptr, s_ptr, z_ptr, gl.minimum(step + 1, step_end - 1), limit, w_off,
-                n_ok, offs_c, x_off, offs_xk, offs_n, stride_qk, stride_sg, offs_sn, sn_ok,
-                GROUP_SIZE, BKW, EVEN_K, EVEN_N, SCALE_AFTER,
+                n_ok, offs_c, x_off, offs_xk, offs_s, s_ok, stride_qk, stride_sg, GROUP_SIZE, BKW,
+                EVEN_K, EVEN_N,
             )  # fmt: skip
             if SCALE_AFTER:  # sum (q s - z) x = s sum((c + q) x) - (c s + z) sum(x), c = magic
                 xb = _x_operand(xt, b_l, BLOCK_M, BLOCKS)
                 zero = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)
                 part = mma_v2(_raw_operand(words, a_l, FP16, WARPS, REP, BLOCKS), xb, zero)
-                x_sum = mma_v2(ones, xb, zero)
+                ones = gl.full([BN, 32 * BLOCKS], 1.0, xb.dtype, layout=a_l)
+                x_sum = mma_v2(ones, xb, zero)  # every row: sum(x) of the step
                 sf = _acc_rows(s, gl.SliceLayout(1, mma), WARPS, REP).to(gl.float32)
                 zf = sf * (1024.0 if FP16 else 128.0)
                 zf += _acc_rows(z, gl.SliceLayout(1, mma), WARPS, REP).to(gl.float32)
