@@ -245,6 +245,19 @@ def test_shipped_tuned_configs_are_well_formed() -> None:
             assert cfg["num_warps"] in (4, 8) and 2 <= cfg["num_stages"] <= 5, (path.name, cfg)
 
 
+def test_tuner_merges_new_sizes_into_the_existing_table() -> None:
+    """Tuning a few more M keeps the sizes tuned before; a size tuned again takes the new
+    config; the file lists M in numeric order (as `load_configs` reads it back)."""
+    from llmfleet.kernels import tune_fused_moe as tune
+
+    old = {"1": {"at": 1}, "512": {"at": 512}, "64": {"at": 64}}
+    merged = tune.merge_tables(old, {"128": {"at": "new"}, "64": {"at": "new"}})
+    assert list(merged) == ["1", "64", "128", "512"]
+    assert merged == {"1": {"at": 1}, "64": {"at": "new"}, "128": {"at": "new"}, "512": {"at": 512}}
+    with pytest.raises(ValueError, match="'big'"):
+        tune.merge_tables({"big": {}}, {})
+
+
 # ---- GPU, real sizes ----
 
 MODELS = {"mixtral": (8, 2, 4096, 14336), "qwen3_30b_a3b": (128, 8, 2048, 768)}
