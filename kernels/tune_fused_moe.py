@@ -109,10 +109,8 @@ def tune(model: str, dtype: str, ms: list[int], budget_s: float) -> dict[str, di
 def merge_tables(
     old: dict[str, dict[str, int]], new: dict[str, dict[str, int]]
 ) -> dict[str, dict[str, int]]:
-    """`old`'s entries with `new`'s added or replacing them, ordered by M."""
-    for m in [*old, *new]:
-        if not m.isdigit():
-            raise ValueError(f"fused MoE config tables are keyed by token count, got {m!r}")
+    """`old`'s entries with `new`'s added or replacing them, ordered by M (a key that is not a
+    token count raises ValueError, naming it)."""
     merged = {**old, **new}
     return {m: merged[m] for m in sorted(merged, key=int)}
 
