@@ -131,6 +131,19 @@ def test_scaled_mm_default_config_small() -> None:
     assert rel_err(out, scaled_mm.scaled_mm_ref(a_q, b_q, a_s, b_s)) < 1e-2
 
 
+def test_scaled_mm_wide_tiles_on_hopper_for_few_rows_and_many_columns() -> None:
+    wide = scaled_mm.MatmulConfig(16, 128, 256, split_k=1, num_warps=4, num_stages=3)
+    assert scaled_mm.default_config(1, 14336, 4096, wide_tiles=True) == wide
+    assert scaled_mm.default_config(8, 8448, 14336, wide_tiles=True) == wide
+    # 16 rows, fewer columns than 132 tiles of 64, or no Hopper: the 64-column tile
+    for m, n, wide_tiles in [(16, 14336, True), (1, 4096, True), (1, 14336, False)]:
+        assert scaled_mm.default_config(m, n, 4096, wide_tiles).block_n == 64
+    # the wide tile itself on ragged N and K (partial column tiles, a partial K block)
+    a_q, a_s, b_q, b_s = _quantized_pair(3, 200, 328, FP8, True)
+    out = scaled_mm.scaled_mm(a_q, b_q, a_s, b_s, config=wide)
+    assert rel_err(out, scaled_mm.scaled_mm_ref(a_q, b_q, a_s, b_s)) < 1e-2
+
+
 def test_scaled_mm_rejects_mismatched_dtypes() -> None:
     a_q, a_s, b_q, b_s = _quantized_pair(2, 16, 32, torch.int8, True)
     with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
