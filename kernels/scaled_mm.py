@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import sm90_or_later
+from llmfleet.kernels.triton_utils import shared_memory_per_program, sm90_or_later
 
 
 @dataclass(frozen=True)
@@ -114,17 +114,22 @@ def _scaled_mm_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+# 3 stages of a 16 x 256 and a 128 x 256 byte tile, and room for the epilogue: sm_120 parts
+# (99 KB per program) are sm_90 or later but cannot hold them
+WIDE_TILE_SMEM = 3 * (16 + 128) * 256 + 16 * 1024
+
+
 def default_config(m: int, n: int, k: int, wide_tiles: bool = False) -> MatmulConfig:
     """Block shapes by M (best of a small sweep on H200, bench_matmul_moe): weight streaming
     with narrow-M tiles at decode sizes, large tiles (tensor-core bound) at prefill sizes.
 
-    `wide_tiles` (Hopper: 3 stages of 16 x 256 and 128 x 256 bytes need 110 KB of shared
-    memory): up to 8 rows, where 64-column tiles alone cover the 132 SMs, 128-column tiles
-    stream the weight faster. At M = 1, 4 and 8 on (N, K) = (14336, 4096) and (14336, 14336)
-    they went from 0.94-1.14x `torch._scaled_mm` to 1.04-1.15x on an H100, and from
-    1.09-1.44x to 1.20-1.44x on an H200 (docs/benchmarks.md, seventeenth session). At 16
-    rows the 64-column tile stays: 6-7% faster than the wide one on the H200, up to 3% slower
-    on the H100; with N = 4096 the wide tile lost everywhere."""
+    `wide_tiles` (Hopper-class parts with room for `WIDE_TILE_SMEM`): up to 8 rows, where
+    64-column tiles alone cover the 132 SMs, 128-column tiles stream the weight faster. At
+    M = 1, 4 and 8 on (N, K) = (14336, 4096) and (14336, 14336) they went from 0.94-1.14x
+    `torch._scaled_mm` to 1.04-1.15x on an H100, and from 1.09-1.44x to 1.20-1.44x on an
+    H200 (docs/benchmarks.md, seventeenth session). At 16 rows the 64-column tile stays: 6-7%
+    faster than the wide one on the H200, up to 3% slower on the H100; with N = 4096 the wide
+    tile lost everywhere."""
     if wide_tiles and m <= 8 and triton.cdiv(n, 64) >= 132:
         return MatmulConfig(16, 128, 256, split_k=1, num_warps=4, num_stages=3)
     if m <= 16:
@@ -183,7 +188,8 @@ def scaled_mm(
     out = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or default_config(m, n, k, sm90_or_later(a_q.device))
+    wide = sm90_or_later(a_q.device) and shared_memory_per_program(a_q.device) >= WIDE_TILE_SMEM
+    cfg = config or default_config(m, n, k, wide)
     split = cfg.split_k
     target = (
         out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)

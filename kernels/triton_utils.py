@@ -49,6 +49,20 @@ def _sm90(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=16)
+def _max_shared_mem(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory_per_program(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on `device`, as Triton checks them before a
+    launch (227 KB on an H100 or H200, 99 KB on sm_120 parts); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_shared_mem(index)
+
+
 def sm90_or_later(device: torch.device) -> bool:
     """`device` is an NVIDIA GPU of compute capability 9.0 or later (TMA, PDL)."""
     if device.type != "cuda":
