@@ -119,6 +119,11 @@ def _scaled_mm_kernel(
 WIDE_TILE_SMEM = 3 * (16 + 128) * 256 + 16 * 1024
 
 
+def wide_tiles_fit(device: torch.device) -> bool:
+    """Whether `default_config` may take the wide decode tiles on `device`."""
+    return sm90_or_later(device) and shared_memory_per_program(device) >= WIDE_TILE_SMEM
+
+
 def default_config(m: int, n: int, k: int, wide_tiles: bool = False) -> MatmulConfig:
     """Block shapes by M (best of a small sweep on H200, bench_matmul_moe): weight streaming
     with narrow-M tiles at decode sizes, large tiles (tensor-core bound) at prefill sizes.
@@ -188,8 +193,7 @@ def scaled_mm(
     out = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
     if m == 0 or n == 0:
         return out
-    wide = sm90_or_later(a_q.device) and shared_memory_per_program(a_q.device) >= WIDE_TILE_SMEM
-    cfg = config or default_config(m, n, k, wide)
+    cfg = config or default_config(m, n, k, wide_tiles_fit(a_q.device))
     split = cfg.split_k
     target = (
         out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
