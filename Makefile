@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml Makefile
 
 # Generated protobuf/gRPC code is committed; `make proto` regenerates it (a test fails when the
 # committed code is stale). grpcio-tools is pinned in pyproject.toml so output is reproducible.
-PROTO_OUT := shared/pb
+# protoc writes llmfleet/v1/*_pb2*.py under src/, so the generated package is llmfleet.v1.
 proto: $(STAMP)
-	rm -rf $(PROTO_OUT)/llmfleet
-	$(BIN)/python shared/protogen.py proto $(PROTO_OUT)
+	rm -f src/llmfleet/v1/*_pb2*.py*
+	$(BIN)/python proto/generate.py proto src
 
 # The whole fleet on this machine (kvstore, tokenizer, scheduler, a worker) with the bundled
 # model on CPU, and a chat with it on this terminal; the fleet stops when the chat ends.
@@ -62,9 +62,9 @@ bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/routing_bench.py
 
 bench-gpu:
-	python3 -m llmfleet.kernels.bench_attention
-	python3 -m llmfleet.kernels.bench_matmul_moe
-	python3 -m llmfleet.kernels.bench_gemv
+	python3 benchmarks/kernels/bench_attention.py
+	python3 benchmarks/kernels/bench_matmul_moe.py
+	python3 benchmarks/kernels/bench_gemv.py
 	python3 benchmarks/gpu_decode_bench.py
 	python3 benchmarks/e2e_llama3_bench.py
 

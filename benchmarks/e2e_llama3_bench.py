@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmfleet.services.worker.engine.engine import LLMEngine, RequestOutput
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import random_model
-from llmfleet.shared.config import EngineConfig
+from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.models.loader import random_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 GiB = 1 << 30
 
@@ -285,7 +285,7 @@ def hf_decode_ms(model: LlamaForCausalLM, prompts: list[list[int]], lengths: tup
 def build_engine(plan: Plan):
     """Our random-weight model and an engine whose KV cache holds every offline request at
     once where memory allows (GPU: what is free after the weights, less the headroom)."""
-    from llmfleet.services.worker.engine.model_runner import kv_bytes_per_block
+    from llmfleet.engine.model_runner import kv_bytes_per_block
 
     cfg = EngineConfig(
         device=plan.device,

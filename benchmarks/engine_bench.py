@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model, resolve_model_path
-from llmfleet.shared.config import EngineConfig
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import load_model, resolve_model_path
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 
 def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:

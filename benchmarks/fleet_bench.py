@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from llmfleet.services.worker.engine.llm import LLM
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.shared.client import GenerationClient
-from llmfleet.shared.config import EngineConfig
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.client.generation import GenerationClient
+from llmfleet.client.llm import LLM
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 
 def prompts(tokenizer, count: int, n_tokens: int) -> list[list[int]]:

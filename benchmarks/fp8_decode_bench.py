@@ -19,10 +19,10 @@ import torch
 from gpu_decode_bench import decode_steps
 from transformers import LlamaConfig
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.models.fp8_linear import use_fp8_linears
-from llmfleet.services.worker.models.loader import random_model
-from llmfleet.shared.config import EngineConfig
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.fp8_linear import use_fp8_linears
+from llmfleet.models.loader import random_model
+from llmfleet.shared.core.config import EngineConfig
 
 
 def main() -> None:

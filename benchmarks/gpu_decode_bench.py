@@ -22,10 +22,10 @@ import torch
 from e2e_llama3_bench import decode_intervals
 from transformers import LlamaConfig, Qwen3MoeConfig
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import random_model
-from llmfleet.shared.config import EngineConfig
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import random_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 MODELS = {
     "smollm2-135m-shape": LlamaConfig(

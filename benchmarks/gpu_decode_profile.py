@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import llmfleet.kernels.paged_attention_decode as decode_attention
 from llmfleet.kernels.triton_utils import programmatic_launch
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 # (N, K) of the projections: qkv, o, gate_up, down, output head
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]

@@ -29,10 +29,10 @@ import platform
 import time
 from contextlib import ExitStack
 
-from llmfleet.shared.benchserve.runner import serve
-from llmfleet.shared.benchserve.stats import BenchmarkMetrics, RequestRecord, compute_metrics
-from llmfleet.shared.cli import build_parser
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.benchserve.runner import serve
+from llmfleet.cli.benchserve.stats import BenchmarkMetrics, RequestRecord, compute_metrics
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.main import build_parser
 
 POLICIES = ("prefix_aware", "round_robin")
 

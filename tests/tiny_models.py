@@ -15,8 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from llmfleet.services.worker.attention.metadata import AttentionMetadata
-from llmfleet.services.worker.models.loader import LoadedModel
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.loader import LoadedModel
 
 VOCAB = 260  # 256 byte tokens + specials
 SPECIALS = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}
@@ -191,7 +191,7 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 def greedy_tokens(engine: Any, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """`steps` greedy tokens (ignore_eos) per prompt from an LLMEngine, in prompt order."""
-    from llmfleet.services.worker.engine.sampling_params import SamplingParams
+    from llmfleet.shared.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from llmfleet.shared.benchserve.arrival import arrival_times
-from llmfleet.shared.errors import ValidationError
+from llmfleet.cli.benchserve.arrival import arrival_times
+from llmfleet.shared.core.errors import ValidationError
 
 
 def _gaps(times):

@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from llmfleet.shared.cli import main
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.main import main
 
 pytestmark = pytest.mark.timeout(300)
 WORKER_ARGS = ["--num-kv-blocks", "256", "--block-size", "16"]

@@ -8,8 +8,8 @@ import json
 import pytest
 from fake_tokenizer import SPECIAL_ID, FakeTokenizer
 
-from llmfleet.shared.benchserve import datasets
-from llmfleet.shared.errors import ValidationError
+from llmfleet.cli.benchserve import datasets
+from llmfleet.shared.core.errors import ValidationError
 
 TOK = FakeTokenizer()
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from llmfleet.shared.benchserve.backends import OpenAIBackend
-from llmfleet.shared.benchserve.datasets import SampleRequest
-from llmfleet.shared.benchserve.runner import run_requests
-from llmfleet.shared.benchserve.stats import RequestRecord
+from llmfleet.cli.benchserve.backends import OpenAIBackend
+from llmfleet.cli.benchserve.datasets import SampleRequest
+from llmfleet.cli.benchserve.runner import run_requests
+from llmfleet.cli.benchserve.stats import RequestRecord
 
 pytestmark = pytest.mark.timeout(60)
 GAP_S = 0.005

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from llmfleet.shared.benchserve.plots import plot_distributions, plot_timeline, segments
-from llmfleet.shared.benchserve.report import (
+from llmfleet.cli.benchserve.plots import plot_distributions, plot_timeline, segments
+from llmfleet.cli.benchserve.report import (
     RunInfo,
     default_result_filename,
     format_report,
     result_json,
 )
-from llmfleet.shared.benchserve.stats import RequestRecord, compute_metrics
+from llmfleet.cli.benchserve.stats import RequestRecord, compute_metrics
 
 INFO = RunInfo(
     backend="grpc",

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from llmfleet.shared.benchserve.stats import (
+from llmfleet.cli.benchserve.stats import (
     Distribution,
     RequestRecord,
     compute_metrics,
@@ -18,7 +18,7 @@ from llmfleet.shared.benchserve.stats import (
     peak_concurrency,
     percentile,
 )
-from llmfleet.shared.errors import ValidationError
+from llmfleet.shared.core.errors import ValidationError
 
 
 def rec(i, *, ttft, latency, out, start=0.0, itl=(), prompt=10, ok=True) -> RequestRecord:

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from llmfleet.shared.service import Service
+from llmfleet.shared.wire.service import Service
 
 
 def _record(event: str, name: str) -> None:

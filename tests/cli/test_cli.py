@@ -18,15 +18,15 @@ from typing import Any
 import grpc
 import pytest
 
-from llmfleet.shared.cli import CompletionPrinter, main
-from llmfleet.shared.client import (
+from llmfleet.cli.main import CompletionPrinter, main
+from llmfleet.client.generation import (
     AsyncGenerationClient,
     ClientError,
     Delta,
     GenerationClient,
     build_request,
 )
-from llmfleet.shared.errors import ValidationError
+from llmfleet.shared.core.errors import ValidationError
 from llmfleet.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

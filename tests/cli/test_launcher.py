@@ -22,9 +22,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.shared.cli import main
-from llmfleet.shared.errors import ValidationError
-from llmfleet.shared.launcher import Fleet, FleetSpec, FleetStartError
+from llmfleet.cli.launcher import Fleet, FleetSpec, FleetStartError
+from llmfleet.cli.main import main
+from llmfleet.shared.core.errors import ValidationError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,7 +165,7 @@ def test_run_prints_the_endpoint_and_stops_everything_on_sigint(tmp_path):
     spec = _spec(tmp_path, echo=True)
     code = (
         "import sys\n"
-        "from llmfleet.shared.launcher import FleetSpec, run\n"
+        "from llmfleet.cli.launcher import FleetSpec, run\n"
         f"sys.exit(run(FleetSpec(**{_spec_kwargs(spec)!r})))\n"
     )
     proc = subprocess.Popen(
@@ -201,7 +201,7 @@ def _spec_kwargs(spec: FleetSpec) -> dict[str, Any]:
 
 
 def test_run_exits_1_when_the_fleet_does_not_start(tmp_path, capsys):
-    from llmfleet.shared.launcher import run
+    from llmfleet.cli.launcher import run
 
     assert run(_spec(tmp_path, env={"FAKEFLEET_FAIL": "scheduler"})) == 1
     captured = capsys.readouterr()

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import LoadedModel, load_model
-from llmfleet.shared.config import EngineConfig
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import LoadedModel, load_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 STEPS = 32

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmfleet.services.worker.models.loader import build_model, random_model
+from llmfleet.models.loader import build_model, random_model
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_llama3_bench.py"
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import EngineConfig
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 ARCHS = ["llama", "llama3_rope", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 STEPS = 32

@@ -9,18 +9,18 @@ import pytest
 import torch
 from torch import nn
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.flops import (
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.flops import (
     ModelShape,
     StepBatch,
     StepCost,
     estimate_step_cost,
     model_shape,
 )
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.services.worker.models.moe import SparseMoE
-from llmfleet.shared.config import EngineConfig
+from llmfleet.models.loader import load_model
+from llmfleet.models.moe import SparseMoE
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 # h=8, 2 query heads and 1 KV head of 4 -> q=8, kv=4; vocab 16; MLP 12; 2-byte weights and KV.
 DENSE = ModelShape(
@@ -142,8 +142,8 @@ def test_quantized_projections_count_in_the_bytes_they_are_stored_in(make_checkp
     """FP8 attention projections (1 byte + a float32 scale per row) and packed INT4 MLPs
     (half a byte + scale and zero point per group) read that many bytes, not the
     embedding's 4 per weight."""
-    from llmfleet.services.worker.models.fp8_linear import Fp8Linear
-    from llmfleet.services.worker.models.int4_linear import Int4Linear
+    from llmfleet.models.fp8_linear import Fp8Linear
+    from llmfleet.models.int4_linear import Int4Linear
 
     loaded = load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
     model, g = loaded.model, 16

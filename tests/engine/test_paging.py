@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import EngineConfig
-from llmfleet.shared.errors import CapacityError, ValidationError
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmfleet.services.worker.engine.llm import LLM
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model, resolve_model_path
-from llmfleet.shared.config import EngineConfig
+from llmfleet.client.llm import LLM
+from llmfleet.models.loader import load_model, resolve_model_path
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_seeded_sampling_reproduces(llm):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "llmfleet.shared.cli", *args],
+        [sys.executable, "-m", "llmfleet.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,

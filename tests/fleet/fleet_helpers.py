@@ -9,11 +9,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import EngineConfig
-from llmfleet.shared.launcher import Fleet
+from llmfleet.cli.launcher import Fleet
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.v1 import worker_pb2, worker_pb2_grpc
 
 NUM_BLOCKS = 512

@@ -18,9 +18,9 @@ from fleet_helpers import (
     worker_stats,
 )
 
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.shared.client import ClientError, GenerationClient
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.client.generation import ClientError, GenerationClient
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_up_with_chat_serves_a_conversation_then_stops(model):
         [
             sys.executable,
             "-m",
-            "llmfleet.shared.cli",
+            "llmfleet.cli.main",
             "up",
             "--port",
             "0",

@@ -19,9 +19,9 @@ from fleet_helpers import (
     worker_stats,
 )
 
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.shared.client import GenerationClient
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.client.generation import GenerationClient
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 SHORT = 16  # prompts shorter than this are prefilled by the decode worker itself
 
@@ -136,7 +136,7 @@ def test_prefill_worker_killed_request_retried_cleanly(model, client, fleet):
 
 def test_llmfleet_up_serves_and_stops_on_sigint(model):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "llmfleet.shared.cli", "up", "--port", "0", "--model", model,
+    cmd = [sys.executable, "-m", "llmfleet.cli.main", "up", "--port", "0", "--model", model,
            "--no-kvstore", "--no-gateway", "--quiet"]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -148,7 +148,7 @@ def test_llmfleet_up_serves_and_stops_on_sigint(model):
             [
                 sys.executable,
                 "-m",
-                "llmfleet.shared.cli",
+                "llmfleet.cli.main",
                 "generate",
                 "--endpoint",
                 endpoint,

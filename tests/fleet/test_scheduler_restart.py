@@ -10,8 +10,8 @@ import pytest
 import torch
 from fleet_helpers import WORKER_ARGS, worker_stats
 
-from llmfleet.shared.client import GenerationClient
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.client.generation import GenerationClient
 
 BLOCK = 16  # WORKER_ARGS' block size
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
+from llmfleet.client.generation import GenerationClient
 from llmfleet.services.gateway.server import bound_address, build_server
-from llmfleet.shared.client import GenerationClient
-from llmfleet.shared.config import GatewayConfig
+from llmfleet.shared.core.config import GatewayConfig
 from llmfleet.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -37,7 +37,7 @@ def llmfleet_up(
     model: str, log_dir: Path, env: Mapping[str, str], timeout_s: float = 180.0
 ) -> Iterator[UpFleet]:
     """`llmfleet up --port 0 --http-port 0` (one worker, no kvstore); SIGINT at the end."""
-    cmd = [sys.executable, "-m", "llmfleet.shared.cli", "up", "--port", "0", "--http-port", "0",
+    cmd = [sys.executable, "-m", "llmfleet.cli.main", "up", "--port", "0", "--http-port", "0",
            "--model", model, "--no-kvstore", "--quiet", "--log-dir", str(log_dir),
            "--startup-timeout", str(timeout_s)]  # fmt: skip
     proc = subprocess.Popen(

@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import bytes_to_unicode, make_tokenizer
 
-from llmfleet.services.gateway import convert
-from llmfleet.services.gateway.app import body_error, loc_to_param
-from llmfleet.services.gateway.convert import Call
-from llmfleet.services.gateway.errors import APIError, from_client_error, param_for
-from llmfleet.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from llmfleet.services.gateway.streaming import ChunkBuilder
-from llmfleet.services.gateway.tokens import TokenSpeller, _byte_level_alphabet
-from llmfleet.shared.client import (
+from llmfleet.client.generation import (
     ClientError,
     Completion,
     Delta,
@@ -22,6 +15,13 @@ from llmfleet.shared.client import (
     Usage,
     build_request,
 )
+from llmfleet.services.gateway import convert
+from llmfleet.services.gateway.app import body_error, loc_to_param
+from llmfleet.services.gateway.convert import Call
+from llmfleet.services.gateway.errors import APIError, from_client_error, param_for
+from llmfleet.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from llmfleet.services.gateway.streaming import ChunkBuilder
+from llmfleet.services.gateway.tokens import TokenSpeller, _byte_level_alphabet
 
 
 @pytest.fixture(scope="module")

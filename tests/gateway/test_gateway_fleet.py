@@ -14,7 +14,7 @@ import openai
 import pytest
 from gateway_helpers import llmfleet_up, wait_workers_idle
 
-from llmfleet.shared.client import GenerationClient
+from llmfleet.client.generation import GenerationClient
 
 MAX_QUEUED = 3  # the scheduler's admission limit in this fleet: the 4th concurrent request is 429
 LONG = 32000  # tokens: minutes of decoding on a CPU, far longer than any wait below

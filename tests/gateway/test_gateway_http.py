@@ -12,11 +12,11 @@ import pytest
 from gateway_helpers import gateway_in_thread
 from tiny_models import make_tokenizer
 
+from llmfleet.cli.launcher import pick_free_ports
+from llmfleet.client.generation import ModelInfo
 from llmfleet.services.gateway.errors import APIError
 from llmfleet.services.gateway.upstream import Upstream
-from llmfleet.shared.client import ModelInfo
-from llmfleet.shared.config import GatewayConfig
-from llmfleet.shared.launcher import pick_free_ports
+from llmfleet.shared.core.config import GatewayConfig
 
 
 @pytest.fixture(scope="module")

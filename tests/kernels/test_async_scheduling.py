@@ -19,13 +19,13 @@ if not torch.cuda.is_available():
 import prometheus_client  # noqa: E402
 import pytest  # noqa: E402
 
-from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
-from llmfleet.services.worker.engine.cuda_graphs import PaddedDecoder  # noqa: E402
-from llmfleet.services.worker.engine.engine import LLMEngine  # noqa: E402
-from llmfleet.services.worker.engine.sampling_params import SamplingParams  # noqa: E402
-from llmfleet.services.worker.models.loader import LoadedModel, load_model  # noqa: E402
+from llmfleet.engine.cuda_graphs import PaddedDecoder  # noqa: E402
+from llmfleet.engine.engine import LLMEngine  # noqa: E402
+from llmfleet.models.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from llmfleet.models.loader import LoadedModel, load_model  # noqa: E402
 from llmfleet.services.worker.outputs import StepMetrics  # noqa: E402
-from llmfleet.shared.config import EngineConfig  # noqa: E402
+from llmfleet.shared.core.config import EngineConfig  # noqa: E402
+from llmfleet.shared.core.sampling_params import SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_BLOCKS = 64

@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from llmfleet.kernels import dispatch  # noqa: E402
-from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
 from llmfleet.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref  # noqa: E402
 from llmfleet.kernels.paged_attention_decode import (  # noqa: E402
     DecodeConfig,
@@ -34,7 +33,8 @@ from llmfleet.kernels.paged_attention_prefill import (  # noqa: E402
     paged_attention_prefill,
     paged_attention_prefill_ref,
 )
-from llmfleet.services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from llmfleet.models.attention.metadata import AttentionMetadata  # noqa: E402
+from llmfleet.models.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 SMALL_DECODE = DecodeConfig(block_n=16, num_warps=1, num_stages=1)
 SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)

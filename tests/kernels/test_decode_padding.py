@@ -21,16 +21,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from tiny_models import greedy_tokens  # noqa: E402
 
-from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
-from llmfleet.services.worker.attention.metadata import AttentionMetadata  # noqa: E402
-from llmfleet.services.worker.attention.reference import TorchReferenceBackend  # noqa: E402
-from llmfleet.services.worker.engine.cuda_graphs import (  # noqa: E402
+from llmfleet.engine.cuda_graphs import (  # noqa: E402
     DecodeBuffers,
     PaddedDecoder,
 )
-from llmfleet.services.worker.engine.engine import LLMEngine  # noqa: E402
-from llmfleet.services.worker.models.loader import load_model  # noqa: E402
-from llmfleet.shared.config import EngineConfig  # noqa: E402
+from llmfleet.engine.engine import LLMEngine  # noqa: E402
+from llmfleet.models.attention.metadata import AttentionMetadata  # noqa: E402
+from llmfleet.models.attention.reference import TorchReferenceBackend  # noqa: E402
+from llmfleet.models.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from llmfleet.models.loader import load_model  # noqa: E402
+from llmfleet.shared.core.config import EngineConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5 if DEVICE == "cpu" else 5e-3  # compiled fp32 dots may use tf32

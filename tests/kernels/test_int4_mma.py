@@ -27,7 +27,6 @@ from llmfleet.kernels import int4_gemv as gv  # noqa: E402
 from llmfleet.kernels import int4_matmul as i4  # noqa: E402
 from llmfleet.kernels import int4_mma as mma  # noqa: E402
 from llmfleet.kernels import int4_pack as ip  # noqa: E402
-from llmfleet.kernels.bench_int4 import random_int4  # noqa: E402
 from llmfleet.kernels.triton_utils import split_cost, wave_split  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(not mma.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -304,7 +303,7 @@ def test_int4_mma_gpu(dtype, m, n, k, group, cfg) -> None:
     again (the last split to arrive adds the partial sums in split order, whatever the order
     of arrival), with the arrival counters back to zero afterwards."""
     torch.manual_seed(m * 1000 + n)
-    qweight, scales, zeros = random_int4(k, n, group, dtype)
+    qweight, scales, zeros = ip.random_int4(k, n, group, dtype)
     for _ in range(2):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = ip.int4_matmul_ref(x, qweight, scales, zeros, group)
@@ -325,7 +324,7 @@ def test_scales_after_the_dot_keep_the_weights_unrounded(m) -> None:
     about 2.5e-3, as at 9 rows), on both orientations of a Llama-3-8B MLP weight."""
     torch.manual_seed(m)
     for n, k in [(14336, 4096), (4096, 14336)]:
-        qweight, scales, zeros = random_int4(k, n, 128, torch.bfloat16)
+        qweight, scales, zeros = ip.random_int4(k, n, 128, torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         err = _rel_err(
             i4.int4_matmul(x, qweight, scales, zeros, 128),
@@ -339,14 +338,14 @@ def test_scales_after_the_dot_keep_the_weights_unrounded(m) -> None:
 def test_int4_mma_graph_replays_after_the_workspace_grew() -> None:
     """A graph captured on the first workspace still gives the right product after a larger
     call replaced the workspace (the engine warms and captures the largest batch first)."""
-    qweight, scales, zeros = random_int4(4096, 1024, 128, torch.bfloat16)
+    qweight, scales, zeros = ip.random_int4(4096, 1024, 128, torch.bfloat16)
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     out = gv.int4_gemv(x, qweight, scales, zeros, 128)  # warm-up: compiles, sizes the workspace
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gv.int4_gemv(x, qweight, scales, zeros, 128)
     before = mma._WORKSPACE.get(x.device, 0, 0)[0]
-    big = random_int4(14336, 4096, 128, torch.bfloat16)
+    big = ip.random_int4(14336, 4096, 128, torch.bfloat16)
     xb = torch.randn(12, 14336, device="cuda", dtype=torch.bfloat16)
     gv.int4_gemv(xb, *big, 128, config=mma.MmaConfig(2, 2, 4, 40))  # 2.6 M partial sums
     assert mma._WORKSPACE.get(x.device, 0, 0)[0] is not before  # it did grow
@@ -364,7 +363,7 @@ def test_int4_matmul_takes_int4_mma_for_small_batches() -> None:
     """The default path for M <= 16 is the Gluon kernel (one row included), and a strided x
     (a view of a wider batch) gives the same result as a contiguous one."""
     assert mma.mma_supported(torch.bfloat16)
-    qweight, scales, zeros = random_int4(2048, 512, 128, torch.bfloat16)
+    qweight, scales, zeros = ip.random_int4(2048, 512, 128, torch.bfloat16)
     for rows in (1, 6):
         wide = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         x = wide[:, :2048]

@@ -248,14 +248,12 @@ def test_shipped_tuned_configs_are_well_formed() -> None:
 def test_tuner_merges_new_sizes_into_the_existing_table() -> None:
     """Tuning a few more M keeps the sizes tuned before; a size tuned again takes the new
     config; the file lists M in numeric order (as `load_configs` reads it back)."""
-    from llmfleet.kernels import tune_fused_moe as tune
-
     old = {"1": {"at": 1}, "512": {"at": 512}, "64": {"at": 64}}
-    merged = tune.merge_tables(old, {"128": {"at": "new"}, "64": {"at": "new"}})
+    merged = fm.merge_config_tables(old, {"128": {"at": "new"}, "64": {"at": "new"}})
     assert list(merged) == ["1", "64", "128", "512"]
     assert merged == {"1": {"at": 1}, "64": {"at": "new"}, "128": {"at": "new"}, "512": {"at": 512}}
     with pytest.raises(ValueError, match="'big'"):
-        tune.merge_tables({"big": {}}, {})
+        fm.merge_config_tables({"big": {}}, {})
 
 
 # ---- GPU, real sizes ----

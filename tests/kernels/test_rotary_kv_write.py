@@ -19,7 +19,6 @@ import pytest  # noqa: E402
 from tiny_models import PROMPT_LENS, Runner, assert_logits_close, random_prompts  # noqa: E402
 
 from llmfleet.kernels import dispatch  # noqa: E402
-from llmfleet.kernels.attention_backend import TritonAttentionBackend  # noqa: E402
 from llmfleet.kernels.kv_cache_write import kv_cache_write  # noqa: E402
 from llmfleet.kernels.rotary import (  # noqa: E402
     Llama3RopeScaling,
@@ -30,10 +29,11 @@ from llmfleet.kernels.rotary_kv_write import (  # noqa: E402
     rotary_kv_cache_write,
     rotary_kv_cache_write_ref,
 )
-from llmfleet.services.worker.attention.metadata import AttentionMetadata  # noqa: E402
-from llmfleet.services.worker.attention.reference import TorchReferenceBackend  # noqa: E402
-from llmfleet.services.worker.models.loader import load_model  # noqa: E402
-from llmfleet.services.worker.models.rotary import RotaryEmbedding  # noqa: E402
+from llmfleet.models.attention.metadata import AttentionMetadata  # noqa: E402
+from llmfleet.models.attention.reference import TorchReferenceBackend  # noqa: E402
+from llmfleet.models.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from llmfleet.models.loader import load_model  # noqa: E402
+from llmfleet.models.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_POSITION = 64

@@ -16,8 +16,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.shared.kvstore_client import KVStoreClient
-from llmfleet.shared.transport import frame_tensor, kv_layout_key, tensor_frame
+from llmfleet.services.worker.kvstore_client import KVStoreClient
+from llmfleet.shared.wire.transport import frame_tensor, kv_layout_key, tensor_frame
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,11 +16,11 @@ import zmq
 import zmq.asyncio
 
 from llmfleet.services.kvstore.server import KVStoreServer, serve
-from llmfleet.shared.config import KVStoreConfig
-from llmfleet.shared.errors import ValidationError
-from llmfleet.shared.kvstore_client import KVStoreClient, KVStoreError
-from llmfleet.shared.service import Unavailable
-from llmfleet.shared.transport import frame_tensor, kv_layout_key, tensor_frame
+from llmfleet.services.worker.kvstore_client import KVStoreClient, KVStoreError
+from llmfleet.shared.core.config import KVStoreConfig
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.wire.service import Unavailable
+from llmfleet.shared.wire.transport import frame_tensor, kv_layout_key, tensor_frame
 from llmfleet.v1 import dataplane_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2
 
 pytestmark = pytest.mark.timeout(60)

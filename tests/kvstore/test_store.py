@@ -10,7 +10,7 @@ import pytest
 
 from llmfleet.services.kvstore.disk import layout_dirname
 from llmfleet.services.kvstore.store import BlockStore
-from llmfleet.shared.errors import ValidationError
+from llmfleet.shared.core.errors import ValidationError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,8 +13,8 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmfle
 
 # Every module that defines Prometheus metrics (importing it registers them).
 METRIC_MODULES = (
-    "llmfleet.shared.metrics",
-    "llmfleet.services.scheduler.metrics",
+    "llmfleet.shared.wire.metrics",
+    "llmfleet.services.router.metrics",
     "llmfleet.services.worker.outputs",
     "llmfleet.services.worker.kv_transfer",
     "llmfleet.services.worker.lease",

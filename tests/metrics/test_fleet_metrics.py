@@ -16,10 +16,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from promql import dashboard_metric_names
 
-from llmfleet.services.worker.engine.flops import model_shape
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.client import GenerateResult, GenerationClient
-from llmfleet.shared.launcher import Child, Fleet, FleetSpec
+from llmfleet.cli.launcher import Child, Fleet, FleetSpec
+from llmfleet.client.generation import GenerateResult, GenerationClient
+from llmfleet.engine.flops import model_shape
+from llmfleet.models.loader import load_model
 
 BS, NUM_BLOCKS = 16, 512
 WORKER_ARGS = ["--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BS)]

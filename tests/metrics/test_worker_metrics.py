@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 
 from llmfleet.services.worker.kv_transfer import KVPusher, KVReceiver
 from llmfleet.services.worker.lease import LeaseError, LeaseTable
-from llmfleet.shared.service import FailedPrecondition, Unavailable
-from llmfleet.shared.transport import bind
+from llmfleet.shared.wire.service import FailedPrecondition, Unavailable
+from llmfleet.shared.wire.transport import bind
 from llmfleet.v1 import dataplane_pb2
 
 

@@ -18,8 +18,8 @@ from tiny_models import (
     save_checkpoint,
 )
 
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.errors import ModelLoadError
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.errors import ModelLoadError
 
 
 @pytest.fixture(scope="module", params=ARCHS)

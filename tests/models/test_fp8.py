@@ -23,11 +23,11 @@ from tiny_models import (
 )
 
 from llmfleet.kernels.quant import per_token_quant_ref
-from llmfleet.services.worker.models.fp8_linear import Fp8Linear, use_fp8_linears
-from llmfleet.services.worker.models.layers import Linear
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import EngineConfig
-from llmfleet.shared.errors import ValidationError
+from llmfleet.models.fp8_linear import Fp8Linear, use_fp8_linears
+from llmfleet.models.layers import Linear
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.errors import ValidationError
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 # e4m3 keeps 3 mantissa bits: a normal value rounds to within 2**-4 of itself.
@@ -116,7 +116,7 @@ def test_quantization_is_validated(make_checkpoint_module) -> None:
 
 def test_quantization_flag_reaches_the_engine_config(monkeypatch) -> None:
     from llmfleet.services.worker.__main__ import parse_config
-    from llmfleet.shared.config import from_env
+    from llmfleet.shared.core.config import from_env
 
     _, engine, _ = parse_config(
         ["--device", "cuda", "--dtype", "bfloat16", "--quantization", "fp8"]
@@ -148,7 +148,7 @@ FP8_LOGITS_REL = 0.15  # relative Frobenius error of prefill logits, fp8 vs bf16
 def test_gpu_fp8_gives_the_bf16_greedy_tokens(make_checkpoint, tmp_path: Path) -> None:
     """32 greedy steps for 3 prompts through the engine (decode steps replay CUDA graphs),
     bf16 vs fp8, both on the GPU; prefill logits within FP8_LOGITS_REL."""
-    from llmfleet.services.worker.engine.engine import LLMEngine
+    from llmfleet.engine.engine import LLMEngine
 
     path = str(make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512))
     bf16 = load_model(path, dtype=torch.bfloat16, device="cuda", progress=False)

@@ -21,8 +21,8 @@ from tiny_models import (
     save_checkpoint,
 )
 
-from llmfleet.services.worker.models.loader import load_model, resolve_model_path
-from llmfleet.shared.errors import ModelLoadError
+from llmfleet.models.loader import load_model, resolve_model_path
+from llmfleet.shared.core.errors import ModelLoadError
 
 Q = gguf.GGMLQuantizationType
 # One weight type per projection so every supported type is exercised.

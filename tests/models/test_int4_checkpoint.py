@@ -18,16 +18,16 @@ import torch
 from safetensors.torch import save_file
 from tiny_models import assert_logits_close, build_hf_model, make_tokenizer, prefill_logits
 
-from llmfleet.services.worker.models.int4_checkpoint import (
+from llmfleet.models.int4_checkpoint import (
     Int4CheckpointFormat,
     awq_to_packed,
     checkpoint_format,
     dense_weight,
     gptq_to_packed,
 )
-from llmfleet.services.worker.models.int4_linear import Int4Linear
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.errors import ModelLoadError
+from llmfleet.models.int4_linear import Int4Linear
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.errors import ModelLoadError
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # written independently of the loader's constant
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -25,12 +25,12 @@ from tiny_models import (
 )
 
 from llmfleet.kernels import int4_pack as ip
-from llmfleet.services.worker.models.int4_linear import (
+from llmfleet.models.int4_linear import (
     Int4Linear,
     PackedInt4,
     unloaded_int4_linears,
 )
-from llmfleet.services.worker.models.loader import keeps_int4, load_model
+from llmfleet.models.loader import keeps_int4, load_model
 
 Q = gguf.GGMLQuantizationType
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -139,8 +139,8 @@ def test_int4_rows_loaded_are_accounted(tmp_path: Path, cache_dir) -> None:
 
 
 def _greedy(loaded, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    from llmfleet.services.worker.engine.engine import LLMEngine
-    from llmfleet.shared.config import EngineConfig
+    from llmfleet.engine.engine import LLMEngine
+    from llmfleet.shared.core.config import EngineConfig
 
     dtype = str(loaded.info.dtype).removeprefix("torch.")
     cfg = EngineConfig(

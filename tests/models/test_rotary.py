@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfleet.services.worker.models.rotary import RotaryEmbedding, apply_rotary
+from llmfleet.models.rotary import RotaryEmbedding, apply_rotary
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -24,8 +24,8 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from llmfleet.shared.block_hash import HashContext, hash_block_chain
-from llmfleet.shared.kv_events import KVEventPublisher
+from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.wire.kv_events import KVEventPublisher
 from llmfleet.v1 import (
     common_pb2,
     dataplane_pb2,

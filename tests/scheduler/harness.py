@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 from fakes import FakeTokenizer, FakeWorker
 
-from llmfleet.services.scheduler.server import SchedulerServer
-from llmfleet.shared.config import SchedulerConfig
+from llmfleet.services.router.server import SchedulerServer
+from llmfleet.shared.core.config import SchedulerConfig
 from llmfleet.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 TEST_TIMEOUT_S = 30.0

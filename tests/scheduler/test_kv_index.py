@@ -3,7 +3,7 @@ epoch) resync by snapshot."""
 
 from __future__ import annotations
 
-from llmfleet.shared.kv_index import KVEvents, KVIndex, KVSnapshot
+from llmfleet.shared.core.kv_index import KVEvents, KVIndex, KVSnapshot
 
 H = [bytes([i]) * 32 for i in range(10)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmfleet.services.scheduler.registry import Load, ModelSpec, WorkerRegistry
+from llmfleet.services.router.registry import Load, ModelSpec, WorkerRegistry
 
 MODEL = ModelSpec(model_id="m", vocab_size=300, max_model_len=128, block_size=4)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmfleet.services.scheduler.routing import (
+from llmfleet.services.router.routing import (
     OUTCOME_LOAD_FALLBACK,
     OUTCOME_NO_PREFIX,
     OUTCOME_PREFIX_HIT,

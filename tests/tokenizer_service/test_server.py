@@ -23,11 +23,11 @@ import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.services.tokenizer.chat import tokenize_chat, tokenize_prompt
-from llmfleet.services.tokenizer.detokenizer import IncrementalDetokenizer
 from llmfleet.services.tokenizer.server import TokenizerServicer, load_tokenizer, start
-from llmfleet.shared.config import TokenizerConfig
-from llmfleet.shared.service import Service
+from llmfleet.shared.core.config import TokenizerConfig
+from llmfleet.shared.wire.service import Service
+from llmfleet.text.chat import tokenize_chat, tokenize_prompt
+from llmfleet.text.detokenizer import IncrementalDetokenizer
 from llmfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ import torch
 from opentelemetry.trace import SpanKind
 from trace_fleet import InProcessFleet, Trace, text_values, trace_of, until
 
-from llmfleet.services.worker.models.loader import load_model
+from llmfleet.models.loader import load_model
 
 CANARY = "zebra-canary-7781"  # in every prompt; must appear in no span
 SAMPLING = dict(max_tokens=5, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)

@@ -15,8 +15,8 @@ import torch
 from opentelemetry.trace import SpanKind
 from trace_fleet import InProcessFleet, trace_of, until
 
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import GatewayConfig
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.config import GatewayConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
 from gateway_helpers import gateway_in_thread  # noqa: E402

@@ -9,8 +9,8 @@ import time
 import pytest
 from otlp_collector import HTTPCollector
 
-from llmfleet.shared.client import GenerationClient
-from llmfleet.shared.launcher import Fleet, FleetSpec
+from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.client.generation import GenerationClient
 
 
 @pytest.fixture(scope="module")

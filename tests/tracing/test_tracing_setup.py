@@ -17,14 +17,14 @@ from opentelemetry.trace import StatusCode
 from otlp_collector import HTTPCollector, spans_by_service
 
 from llmfleet.services.tokenizer.server import start as start_tokenizer
-from llmfleet.shared import tracing
-from llmfleet.shared.config import TokenizerConfig
+from llmfleet.shared.core.config import TokenizerConfig
+from llmfleet.shared.wire import tracing
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 # Sets up tracing as a service does, makes one span with a child, prints what it can see.
 SCRIPT = """
 from opentelemetry import trace
-from llmfleet.shared.tracing import metadata, setup_tracing, traceparent
+from llmfleet.shared.wire.tracing import metadata, setup_tracing, traceparent
 setup_tracing("worker")
 tracer = trace.get_tracer("probe")
 with tracer.start_as_current_span("probe-span") as span:

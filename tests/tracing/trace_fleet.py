@@ -16,14 +16,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from llmfleet.client.generation import AsyncGenerationClient
+from llmfleet.models.loader import LoadedModel
 from llmfleet.services.kvstore.server import serve as serve_kvstore
-from llmfleet.services.scheduler.server import SchedulerServer
+from llmfleet.services.router.server import SchedulerServer
 from llmfleet.services.tokenizer.server import start as start_tokenizer
-from llmfleet.services.worker.models.loader import LoadedModel
 from llmfleet.services.worker.server import WorkerServer
 from llmfleet.services.worker.server import serve as serve_worker
-from llmfleet.shared.client import AsyncGenerationClient
-from llmfleet.shared.config import (
+from llmfleet.shared.core.config import (
     EngineConfig,
     KVStoreConfig,
     SchedulerConfig,

@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from llmfleet.services.worker.attention.metadata import AttentionMetadata
-from llmfleet.services.worker.attention.reference import (
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.attention.reference import (
     TorchReferenceBackend,
     dense_causal_attention,
 )
-from llmfleet.services.worker.models.rotary import RotaryEmbedding
+from llmfleet.models.rotary import RotaryEmbedding
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import llmfleet.shared.block_hash as bh
+import llmfleet.shared.core.block_hash as bh
 
 VECTORS = json.loads((Path(bh.__file__).parent / "block_hash_vectors.json").read_text())
 

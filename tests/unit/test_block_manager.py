@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmfleet.services.worker.engine.block_manager import BlockManager, FreeBlockQueue, KVBlock
-from llmfleet.services.worker.engine.request import Request
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.engine.block_manager import BlockManager, FreeBlockQueue, KVBlock
+from llmfleet.engine.request import Request
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 BS = 4
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from llmfleet.services.tokenizer.chat import render_chat, tokenize_chat, tokenize_prompt
-from llmfleet.shared.errors import ValidationError
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.text.chat import render_chat, tokenize_chat, tokenize_prompt
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}],

@@ -9,18 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfleet.services.worker.__main__ import parse_config
-from llmfleet.services.worker.attention.metadata import AttentionMetadata
-from llmfleet.services.worker.engine.cuda_graphs import (
+from llmfleet.engine.cuda_graphs import (
     DecodeBuffers,
     PaddedDecoder,
     capture_sizes,
     padded_size,
 )
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import EngineConfig, from_env
-from llmfleet.shared.errors import ValidationError
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.loader import load_model
+from llmfleet.services.worker.__main__ import parse_config
+from llmfleet.shared.core.config import EngineConfig, from_env
+from llmfleet.shared.core.errors import ValidationError
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_max():

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from llmfleet.services.tokenizer.detokenizer import IncrementalDetokenizer
-from llmfleet.shared.errors import ValidationError
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.text.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmfleet.services.worker.models.moe import fused_moe_dense, fused_moe_reference, route_topk
+from llmfleet.models.moe import fused_moe_dense, fused_moe_reference, route_topk
 
 
 def test_dense_moe_equals_sorted_reference():

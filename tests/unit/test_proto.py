@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
-from llmfleet.shared.protogen import generate
-
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto"
-GEN = ROOT / "shared" / "pb"
+GEN = ROOT / "src"
+_spec = importlib.util.spec_from_file_location("proto_generate", PROTO / "generate.py")
+_generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_generate)
+generate = _generate.generate
 
 
 def test_generated_code_is_not_stale(tmp_path):
     fresh = generate(PROTO, tmp_path)
     rel = sorted(p.relative_to(tmp_path) for p in fresh)
-    committed = sorted(
-        p.relative_to(GEN) for p in GEN.rglob("*.py*") if "__pycache__" not in p.parts
-    )
+    committed = sorted(p.relative_to(GEN) for p in (GEN / "llmfleet" / "v1").glob("*.py*"))
     assert rel == committed, "generated file set differs: run `make proto`"
     for r in rel:
         assert (tmp_path / r).read_bytes() == (GEN / r).read_bytes(), f"{r} is stale: make proto"

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmfleet.services.worker.engine.sampler import (
+from llmfleet.engine.sampler import (
     Sampler,
     SamplingRow,
     process_logits,
 )
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 EOS = 2
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from llmfleet.services.worker.engine.block_manager import BlockManager
-from llmfleet.services.worker.engine.request import Request, RequestStatus
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.engine.scheduler import Scheduler
+from llmfleet.engine.block_manager import BlockManager
+from llmfleet.engine.request import Request, RequestStatus
+from llmfleet.engine.scheduler import Scheduler
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 BS = 4
 

@@ -31,7 +31,7 @@ BASES = {
     tokenizer_pb2_grpc.TokenizerServicer: tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"],
 }
 SERVERS = {
-    "llmfleet.services.scheduler.server": {"Generation", "Registry"},
+    "llmfleet.services.router.server": {"Generation", "Registry"},
     "llmfleet.services.worker.server": {"Worker"},
     "llmfleet.services.kvstore.server": {"KVStore"},
     "llmfleet.services.tokenizer.server": {"Tokenizer"},

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.block_hash import HashContext, hash_block_chain
-from llmfleet.shared.config import EngineConfig
-from llmfleet.shared.errors import CapacityError
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.errors import CapacityError
+from llmfleet.shared.core.sampling_params import SamplingParams
 
 BS = 4
 

@@ -13,10 +13,10 @@ import zmq
 import zmq.asyncio
 from worker_helpers import Replies, prompt, reference_tokens, start_worker, stats, stub
 
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.convert import sampling_to_pb
-from llmfleet.shared.transport import decode, encode
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.convert import sampling_to_pb
+from llmfleet.shared.wire.transport import decode, encode
 from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

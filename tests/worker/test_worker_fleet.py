@@ -18,10 +18,10 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_helpers import BS, Replies, add_request_pb, prompt, start_worker, stats, stub
 
+from llmfleet.models.loader import load_model
 from llmfleet.services.kvstore.server import serve as serve_kvstore
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.config import KVStoreConfig
+from llmfleet.shared.core.config import KVStoreConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 

@@ -23,9 +23,9 @@ from worker_helpers import (
     stub,
 )
 
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
-from llmfleet.services.worker.models.loader import load_model
-from llmfleet.shared.block_hash import HashContext, hash_block_chain
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -212,7 +212,7 @@ def test_engine_work_runs_on_the_one_engine_thread(loaded, monkeypatch):
     throttle its spin-waits for the whole process (loop.py)."""
     import threading
 
-    from llmfleet.services.worker.engine.engine import LLMEngine
+    from llmfleet.engine.engine import LLMEngine
     from llmfleet.services.worker.outputs import ReplySinks
 
     threads: dict[str, set[int]] = {}
@@ -263,7 +263,7 @@ def test_cpu_worker_yields_after_a_first_token_only(loaded, monkeypatch):
     steps follow at once, and the tokens are the engine's."""
     import time
 
-    from llmfleet.services.worker.engine.engine import LLMEngine
+    from llmfleet.engine.engine import LLMEngine
 
     steps: list[tuple[float, float]] = []
     original = LLMEngine.step
@@ -303,8 +303,8 @@ def test_cpu_worker_yields_after_a_first_token_only(loaded, monkeypatch):
 
 def test_first_token_yield_flag_and_its_bounds():
     from llmfleet.services.worker.__main__ import parse_config
-    from llmfleet.shared.config import WorkerConfig
-    from llmfleet.shared.errors import ValidationError
+    from llmfleet.shared.core.config import WorkerConfig
+    from llmfleet.shared.core.errors import ValidationError
 
     worker, _, _ = parse_config(["--first-token-yield-ms", "2.5"])
     assert worker.first_token_yield_ms == 2.5

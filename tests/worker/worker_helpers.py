@@ -11,12 +11,12 @@ import torch
 import zmq
 import zmq.asyncio
 
-from llmfleet.services.worker.engine.engine import LLMEngine
-from llmfleet.services.worker.engine.sampling_params import SamplingParams
+from llmfleet.engine.engine import LLMEngine
 from llmfleet.services.worker.server import WorkerServer, serve
-from llmfleet.shared.config import EngineConfig, WorkerConfig
-from llmfleet.shared.convert import sampling_to_pb
-from llmfleet.shared.transport import bind
+from llmfleet.shared.core.config import EngineConfig, WorkerConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.convert import sampling_to_pb
+from llmfleet.shared.wire.transport import bind
 from llmfleet.v1 import dataplane_pb2, worker_pb2, worker_pb2_grpc
 
 BS = 4

@@ -1,0 +1,2 @@
+"""The `llmfleet` command (`main`), the fleet launcher and supervisor (`launcher`), and
+`llmfleet bench serve` (`benchserve`)."""

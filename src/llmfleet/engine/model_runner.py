@@ -1,0 +1,205 @@
+"""Turns a `SchedulerOutput` into one flattened forward pass and the logits to sample.
+
+The batch has no padding: the new tokens of every scheduled request laid end to end, with
+their positions and slots in the paged cache. Only the rows that reach their request's last
+token go through the LM head.
+
+On CUDA, after `capture_decode_graphs`, a pure-decode step (one new token per sequence) of at
+most the captured batch size replays a CUDA graph instead (see cuda_graphs.py): padded to a
+captured size, every row through the LM head, the padding rows' logits dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmfleet.engine.block_manager import BlockManager
+from llmfleet.engine.cuda_graphs import DecodeGraphs, PaddedDecoder
+from llmfleet.engine.request import Request
+from llmfleet.engine.scheduler import SchedulerOutput
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.loader import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * block_size * info.num_kv_heads * info.head_dim * elem * info.num_layers
+
+
+@dataclass
+class StepOutput:
+    # (num_sampling_rows, vocab) float32; after a graph replay a view of the graphs' static
+    # buffer, valid until the next step
+    logits: torch.Tensor
+    sampling_rows: list[int]  # index into scheduled of each logits row
+    replayed: bool = False  # a decode step through the captured graphs (`decode_graphs`)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: ModelInfo,
+        block_manager: BlockManager,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.bm = block_manager
+        self.device = device
+        bs = block_manager.block_size
+        shape = (2, block_manager.num_blocks, bs, info.num_kv_heads, info.head_dim)
+        # One cache tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim).
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            block_manager.num_blocks,
+            bs,
+            block_manager.num_blocks * kv_bytes_per_block(info, bs, dtype) / 2**20,
+        )
+        # The captured decode graphs (in CPU tests: the same padded path, run eagerly).
+        self.decode_graphs: PaddedDecoder | None = None
+
+    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture CUDA graphs for decode batches of up to `max_batch_size` sequences whose
+        contexts stay within `max_model_len`; later pure-decode steps that fit replay them.
+        A model whose attention backend is not graph-safe keeps running eagerly."""
+        backend = getattr(self.model, "backend", None)
+        if not getattr(backend, "cuda_graph_safe", False):
+            logger.warning(
+                "attention backend %r cannot run inside CUDA graphs: decode steps run eagerly",
+                getattr(backend, "name", type(backend).__name__),
+            )
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            vocab_size=self.info.vocab_size,
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
+
+    # ---- KV block copies (export, import, lease transfer) ------------------------------------
+    # A payload is (nb, num_layers, 2, block_size, num_kv_heads, head_dim): block-major, so
+    # payload[i] is one block's wire frame; the cache is layer-major with blocks on dim 1.
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy blocks out of the cache to a contiguous CPU tensor (see the layout above)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        per_layer = [kv.index_select(1, idx) for kv in self.kv_caches]  # L x (2, nb, bs, H, D)
+        out = torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5)  # (nb, L, 2, bs, H, D)
+        return out.to("cpu").contiguous()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Copy a payload (nb, L, 2, bs, H, D) into cache blocks `block_ids`, in order."""
+        if payload.shape[0] != len(block_ids) or tuple(payload.shape[1:]) != self.block_shape:
+            raise ValueError(
+                f"payload shape {tuple(payload.shape)} does not match "
+                f"({len(block_ids)}, {', '.join(map(str, self.block_shape))})"
+            )
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        src = payload.to(device=self.device, dtype=self.kv_caches[0].dtype)
+        src = src.permute(1, 2, 0, 3, 4, 5)  # (L, 2, nb, bs, H, D)
+        for layer, kv in enumerate(self.kv_caches):
+            kv.index_copy_(1, idx, src[layer])
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block's payload shape: (num_layers, 2, block_size, num_kv_heads, head_dim)."""
+        kv = self.kv_caches[0]
+        return (len(self.kv_caches), 2, kv.shape[2], kv.shape[3], kv.shape[4])
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        if self.decode_graphs is not None and all(s.num_new_tokens == 1 for s in sched.scheduled):
+            step = self._replay_decode(sched, self.decode_graphs)
+            if step is not None:
+                return step
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_tokens: list[int] = []  # flat index of each sampled row's last token
+        sampling_rows: list[int] = []
+        for j, s in enumerate(sched.scheduled):
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(self.bm.block_ids(req.request_id))
+            if s.samples:
+                sample_tokens.append(len(input_ids) - 1)
+                sampling_rows.append(j)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.bm.block_size, device=self.device
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
+        if not sample_tokens:
+            return StepOutput(hidden.new_empty((0, self.info.vocab_size)), [])
+        if len(sample_tokens) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_tokens, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32
+        return StepOutput(logits, sampling_rows)
+
+    def _replay_decode(self, sched: SchedulerOutput, graphs: PaddedDecoder) -> StepOutput | None:
+        """A pure-decode step through a captured graph; None when the batch does not fit."""
+        requests = [s.request for s in sched.scheduled]
+        positions = [r.num_computed_tokens for r in requests]
+        token_ids = [r.all_token_ids[p] for r, p in zip(requests, positions, strict=True)]
+        logits = self._replay(graphs, requests, token_ids, positions)  # (n, vocab)
+        if logits is None:
+            return None
+        rows = [j for j, s in enumerate(sched.scheduled) if s.samples]
+        if len(rows) != len(token_ids):
+            logits = logits[torch.tensor(rows, device=self.device)]
+        return StepOutput(logits, rows, replayed=True)
+
+    @torch.inference_mode()
+    def execute_chained(
+        self, requests: list[Request], token_ids: torch.Tensor
+    ) -> StepOutput | None:
+        """A decode step whose inputs are not on the host yet: request i decodes
+        `token_ids[i]` (int64, on the device: the previous step's samples) at position
+        `requests[i].num_tokens`, the slot after its last known token, through the captured
+        graphs. Its blocks must already hold that slot. None when the batch does not fit the
+        graphs (or there are none); the caller then waits and runs an ordinary step."""
+        if self.decode_graphs is None:
+            return None
+        positions = [r.num_tokens for r in requests]
+        logits = self._replay(self.decode_graphs, requests, token_ids, positions)
+        if logits is None:
+            return None
+        return StepOutput(logits, list(range(len(requests))), replayed=True)
+
+    def _replay(
+        self,
+        graphs: PaddedDecoder,
+        requests: list[Request],
+        token_ids: list[int] | torch.Tensor,
+        positions: list[int],
+    ) -> torch.Tensor | None:
+        """(n, vocab) logits of request i decoding token_ids[i] at positions[i] through the
+        graphs; None when the batch does not fit them."""
+        tables = [self.bm.block_ids(r.request_id) for r in requests]
+        if not graphs.fits(positions, tables):
+            return None
+        return graphs.run(token_ids, positions, tables)

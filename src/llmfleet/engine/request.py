@@ -1,0 +1,109 @@
+"""A request's state inside the engine: one accounting model for every phase.
+
+There is no prefill or decode phase: a request has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (those whose KV is in the cache). Each step computes some of the rest;
+when a step brings `num_computed_tokens` up to `num_tokens`, the step's last logits are
+sampled and the new token is appended. Chunked prefill, prefix-cache hits and recompute after
+preemption all fall out of this.
+
+Only the engine scheduler mutates `status` and `num_computed_tokens`; only the engine appends
+output tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmfleet.engine.sampler import TokenLogprobs
+from llmfleet.shared.core.block_hash import ROOT_HASH, HashContext, hash_block_chain
+from llmfleet.shared.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV freed; resumes by recompute
+    FINISHED_STOPPED = "stop"  # eos, a stop token id, or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length
+    FINISHED_ABORTED = "abort"
+    # Prefill-only request after its first token: out of the engine, its blocks still pinned
+    # (readable) until the worker releases them. Not a finish reason of the API.
+    PREFILLED = "prefilled"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.PREFILLED,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]  # eos (unless ignore_eos) and params.stop_token_ids
+    block_size: int
+    hash_context: HashContext = field(default_factory=HashContext)
+    generator: torch.Generator | None = None
+    parent_id: str | None = None  # for n > 1: the client's request id
+    index: int = 0  # which of the n completions
+    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False  # stop after the first token, keeping the blocks (see engine)
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
+    num_preemptions: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the token id or stop string that ended it
+    all_token_ids: list[int] = field(init=False)
+    block_hashes: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.hash_context)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            # A block just filled: extend the hash chain by one block.
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes.extend(
+                hash_block_chain(
+                    self.all_token_ids,
+                    self.block_size,
+                    self.hash_context,
+                    start_block=len(self.block_hashes),
+                    parent=parent,
+                )
+            )

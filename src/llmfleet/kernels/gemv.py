@@ -1,0 +1,220 @@
+"""Matrix-vector product of a 16-bit linear layer for one token (decode at batch 1).
+
+    x (1, K) · W (N, K)ᵀ [+ bias (N,)]  ->  out (1, N)
+
+At M = 1 a linear layer is a stream over its weight: N K 16-bit values read once, two FLOPs
+each. cuBLAS serves some of Llama's shapes at well under the bandwidth it reaches on others
+(on an H100: the 4096 x 4096 o projection at about 61% of copy bandwidth, q/k/v at 75%, while
+gate/up reaches 94%). This kernel gives every program BLOCK_N whole rows of W, streams them
+along K in BLOCK_K-wide tiles (16-byte loads, marked evict-first: each weight is used once),
+and multiplies in float32 into a (BLOCK_N, BLOCK_K) accumulator that is reduced once at the
+end, so the loop is loads and FMAs only. No split-K: a row's sum stays in one program, so
+there is no workspace or atomic, and the result is deterministic.
+
+Two epilogue options save a kernel each in a decode step:
+  - gated: W is a fused [gate | up] (2I, K) projection and the result is the SwiGLU
+    silu(x · gateᵀ) * (x · upᵀ), (1, I). Each program streams BLOCK_N rows of both halves;
+    both sums are rounded to x's dtype before the activation, as the unfused
+    linear + `silu_and_mul` pair computes it. The model runs it where this device's tuned
+    file (`TUNED_SILU`) says it beat the pair.
+  - a float32 `out` for 16-bit x (the output head writing straight into the sampler's
+    float32 logits): the sums are rounded to x's dtype first, so the values equal
+    `F.linear(x, W).float()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from llmfleet.kernels.silu_and_mul import silu_mul_rounded
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
+from llmfleet.kernels.tuned_configs import TunedConfigs
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # rows of W per program
+    block_k: int  # columns per loop step
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # (K,), unit stride
+    w_ptr,  # (N, K), or (2N, K) = [gate | up] when GATED; unit stride along K
+    bias_ptr,  # (N,) or (2N,) when GATED, or a dummy when not HAS_BIAS
+    out_ptr,  # (N,)
+    N,  # output columns
+    K,
+    stride_wn,  # elements between rows of W
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
+    GATED: tl.constexpr,  # out = silu(x . gate^T) * (x . up^T)
+    ROUND: tl.constexpr,  # out is wider than x: round the result to x's dtype first
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
+):
+    pdl_start(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped: the loads need no row mask
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = w_ptr + (rows + N)[:, None] * stride_wn + offs_k[None, :]  # GATED: up rows
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            xk = tl.load(x_ptr + k0 + offs_k)
+        else:
+            k_ok = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+        if GATED:
+            if EVEN_K:
+                u = tl.load(up_ptrs, eviction_policy="evict_first")
+            else:
+                u = tl.load(up_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            acc_up += u.to(tl.float32) * xk.to(tl.float32)[None, :]
+            up_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    if GATED:
+        y_up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            y_up += tl.load(bias_ptr + N + rows).to(tl.float32)
+        y = silu_mul_rounded(y, y_up, x_ptr.dtype.element_ty)
+    if ROUND:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def default_gemv_config(n: int, k: int) -> GemvConfig:
+    """Untuned choice: within 2.5% of the fastest candidate on every Llama-3-8B projection
+    shape of `bench_gemv`'s H100 sweep (the fastest differs by shape and by device, hence the
+    tuned files)."""
+    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=1)
+
+
+TUNED = TunedConfigs("gemv", GemvConfig)  # keys (N, K); `bench_gemv --save` writes them
+# The gated variant's (`bench_gemv --gated --save`), keyed by the fused [gate | up] weight's
+# (2I, K); block_n counts rows per half; null where the projection and then `silu_and_mul`
+# were as fast.
+TUNED_SILU = TunedConfigs("gemv_silu", GemvConfig)
+
+
+def get_config(
+    n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False
+) -> GemvConfig:
+    """The tuned config of this shape (W's rows, K) on this device, else the untuned default
+    (gated: half its rows from each half of W)."""
+    if gated:
+        return TUNED_SILU.get(device, dtype, (n, k), None) or GemvConfig(4, 512, 4, 1)
+    return TUNED.get(device, dtype, (n, k), None) or default_gemv_config(n, k)
+
+
+def gated_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig | None:
+    """The gated GEMV's tuned config for a (2I = n, K) weight on this device, or None where the
+    unfused pair won or nothing was tuned (the caller then runs the projection, then
+    `silu_and_mul`)."""
+    return TUNED_SILU.get(device, dtype, (n, k), None)
+
+
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+) -> None:
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be (1, K), got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be (N, {x.shape[1]}), got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} != x dtype {x.dtype}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated weight must have 2 * I rows [gate | up], got {weight.shape[0]}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be ({weight.shape[0]},) {x.dtype}, got {tuple(bias.shape)}")
+
+
+def out_columns(weight: torch.Tensor, gated: bool) -> int:
+    """Columns of the result: W's rows, half of them when `gated`."""
+    return weight.shape[0] // 2 if gated else weight.shape[0]
+
+
+def check_out(out: torch.Tensor, x: torch.Tensor, n: int, gated: bool) -> None:
+    """A caller's `out` for x's rows and n columns: x's dtype, or float32 (not gated)."""
+    wide = out.dtype == torch.float32 and not gated
+    if out.shape != (x.shape[0], n) or not (out.dtype == x.dtype or wide):
+        raise ValueError(
+            f"out must be ({x.shape[0]}, {n}) of x's dtype{'' if gated else ' or float32'}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    check_last_dim_contiguous("out", out)
+
+
+def gemv(
+    x: torch.Tensor,  # (1, K) fp16/bf16/fp32
+    weight: torch.Tensor,  # (N, K), x's dtype, unit stride along K; (2I, K) [gate | up] if gated
+    bias: torch.Tensor | None = None,  # (N,)
+    config: GemvConfig | None = None,
+    *,
+    gated: bool = False,
+    out: torch.Tensor | None = None,  # (1, N or I), x's dtype or (not gated) float32
+) -> torch.Tensor:
+    """Triton x @ weight.T (+ bias) for one row: `F.linear`'s function at M = 1. `gated`:
+    silu(x @ gate.T) * (x @ up.T) instead, (1, I). A float32 `out` gets the values rounded to
+    x's dtype first (module docstring). Gated, `config.block_n` counts the rows each program
+    takes from each half."""
+    _check(x, weight, bias, gated)
+    check_last_dim_contiguous("weight", weight)
+    k = weight.shape[1]
+    n = out_columns(weight, gated)
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    check_out(out, x, n, gated)
+    if n == 0:
+        return out
+    if k == 0:
+        y = weight.new_zeros(weight.shape[0]) if bias is None else bias
+        return out.copy_(swiglu_tail(y[None, :].to(x.dtype), gated))
+    cfg = config or get_config(weight.shape[0], k, x.dtype, x.device, gated)
+    grid = (triton.cdiv(n, cfg.block_n),)
+    chained = pdl(x.device)
+    launchable(_gemv_kernel)[grid](
+        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, GATED=gated,
+        ROUND=out.dtype != x.dtype, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=chained,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=chained,
+    )  # fmt: skip
+    return out
+
+
+def swiglu_tail(y: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The gated epilogue on a projection's output of x's dtype (the references' tail)."""
+    if not gated:
+        return y
+    gate, up = y.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(y.dtype)
+
+
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor:
+    """PyTorch reference of `gemv`: float32 products and sums, rounded once to x's dtype
+    (gated: then the SwiGLU in float32, rounded again)."""
+    _check(x, weight, bias, gated)
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return swiglu_tail(y.to(x.dtype), gated)

@@ -1,0 +1,76 @@
+"""The Triton implementation of the worker's `AttentionBackend` protocol.
+
+One layer call: scatter this step's k/v into the paged cache at `meta.slot_mapping` (given
+the rotary inputs, rotating q and k in the same launch: kernels/rotary_kv_write.py), then
+attend. A pure decode step (every sequence has one new token) takes the split-K decode kernel;
+any step with a longer query (prefill, chunked prefill, mixed prefill + decode) takes the
+varlen prefill kernel, which handles query_len == 1 rows as well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmfleet.kernels import dispatch
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.rotary import RotaryPositions
+
+
+class TritonAttentionBackend:
+    """Stateless; `kv_cache` is mutated in place (only at this step's slots)."""
+
+    name = "triton"
+    # Decode: the grid and split-K follow num_seqs and the max_seq_len bound; kernels read the
+    # true lengths from seq_lens and skip slot -1 (padding), so graphs may replay it.
+    cuda_graph_safe = True
+
+    def __init__(self, force_triton: bool = False) -> None:
+        # force_triton: run the kernels in Triton's CPU interpreter (tests) instead of
+        # falling back to the PyTorch references for CPU tensors.
+        self.force_triton = force_triton
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        rope: RotaryPositions | None = None,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        force = self.force_triton
+        if rope is None:
+            dispatch.kv_cache_write(k, v, kv_cache, meta.slot_mapping, force_triton=force)
+        else:  # q and k rotated in place, the rotated k written to the cache: one launch
+            dispatch.rotary_kv_cache_write(
+                rope.positions,
+                q,
+                k,
+                v,
+                rope.table,
+                kv_cache,
+                meta.slot_mapping,
+                force_triton=force,
+            )
+        if meta.is_pure_decode:
+            return dispatch.paged_attention_decode(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                meta.max_seq_len,
+                force_triton=force,
+            )
+        return dispatch.paged_attention_prefill(
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_query_len,
+            force_triton=force,
+        )

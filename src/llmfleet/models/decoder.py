@@ -1,0 +1,237 @@
+"""A generic pre-norm decoder-only transformer; the architectures specialize its hooks.
+
+Parameter tree (HF names map onto it in `load_weights`):
+
+    embed_tokens.weight                    (V, hidden)
+    layers.{i}.input_layernorm.weight      (hidden,)
+    layers.{i}.self_attn.qkv_proj.*        rows [q | k | v]
+    layers.{i}.self_attn.{q,k}_norm.weight (head_dim,)   Qwen3 only
+    layers.{i}.self_attn.o_proj.*
+    layers.{i}.post_attention_layernorm.weight
+    layers.{i}.mlp.gate_up_proj.*          dense: rows [gate | up]
+    layers.{i}.mlp.{gate,w13,w2}           sparse: router + stacked experts (see moe.py)
+    norm.weight
+    lm_head.weight                         absent when embeddings are tied
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmfleet.models.attention.backend import AttentionBackend
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.attention.reference import TorchReferenceBackend
+from llmfleet.models.base import CausalLM
+from llmfleet.models.int4_linear import (
+    Int4Linear,
+    PackedInt4,
+    unloaded_int4_linears,
+)
+from llmfleet.models.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    linear,
+    load_shard,
+)
+from llmfleet.models.moe import SparseMoE
+from llmfleet.models.rotary import (
+    RotaryEmbedding,
+    RotaryPositions,
+    rope_parameters,
+)
+from llmfleet.shared.core.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)$")
+_QKV = re.compile(r"self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$")
+_GATE_UP = re.compile(r"mlp\.(gate_proj|up_proj)\.(weight|bias)$")
+# Per-expert HF names: Qwen3-MoE `mlp.experts.{e}.gate_proj`,
+# Mixtral `block_sparse_moe.experts.{e}.w1` (w1 gate, w3 up, w2 down).
+_EXPERT = re.compile(
+    r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+# transformers-5 native layout: experts already stacked.
+_STACKED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
+_SKIPPED = ("rotary_emb.inv_freq",)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        h: torch.Tensor,  # (T, hidden)
+        residual: torch.Tensor | None,  # (T, hidden) or None before the first layer
+        rope: RotaryPositions,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderForCausalLM(CausalLM):
+    """Llama-style decoder. Subclasses override `qkv_bias`, `qk_norm` and `make_mlp`."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend if backend is not None else TorchReferenceBackend()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.num_kv_heads = num_kv_heads
+        eps = config.rms_norm_eps
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        params = rope_parameters(config)
+        rotary_dim = int(self.head_dim * float(params.get("partial_rotary_factor", 1.0)))
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.rotary_emb = RotaryEmbedding(rotary_dim, config.max_position_embeddings, params)
+        self.layers = nn.ModuleList()
+        for i in range(config.num_hidden_layers):
+            attn = Attention(
+                hidden,
+                num_heads,
+                num_kv_heads,
+                self.head_dim,
+                self.backend,
+                qkv_bias=self.qkv_bias or bool(getattr(config, "attention_bias", False)),
+                o_bias=bool(getattr(config, "attention_bias", False)),
+                qk_norm_eps=eps if self.qk_norm else None,
+            )
+            self.layers.append(DecoderLayer(attn, self.make_mlp(config, i), hidden, eps))
+        self.norm = RMSNorm(hidden, eps)
+        self.lm_head = (
+            None if self.tie_word_embeddings else Linear(hidden, config.vocab_size, bias=False)
+        )
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        return MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary_emb.at(positions)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (N, hidden) -> (N, V) float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if out is None and hidden.dtype == torch.float32:
+            return linear(hidden, weight)
+        if out is None:
+            out = hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32)
+        return linear(hidden, weight, out=out)  # decode sizes: written by the GEMV / GEMM
+
+    # ---- weight loading -------------------------------------------------------------------
+
+    def weight_target(self, name: str) -> tuple[str, int | None, int] | None:
+        """Where `load_weights` puts the checkpoint tensor of HF name `name`: (our parameter
+        name, expert index or None, row offset), or None when it is not loaded."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if name.endswith(_SKIPPED) or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        m = _LAYER.match(name)
+        if m is None:
+            return name, None, 0
+        i, rest = int(m.group(1)), m.group(2)
+        prefix = f"layers.{i}."
+        layer = self.layers[i] if i < len(self.layers) else None
+        if layer is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} is for a layer the config lacks")
+        if m2 := _QKV.match(rest):
+            offset = layer.self_attn.shard_offset(m2.group(1))
+            return f"{prefix}self_attn.qkv_proj.{m2.group(2)}", None, offset
+        if isinstance(layer.mlp, MLP) and (m2 := _GATE_UP.match(rest)):
+            offset = layer.mlp.shard_offset(m2.group(1))
+            return f"{prefix}mlp.gate_up_proj.{m2.group(2)}", None, offset
+        if isinstance(layer.mlp, SparseMoE):
+            inter = layer.mlp.intermediate_size
+            if m2 := _EXPERT.match(rest):
+                expert, proj = int(m2.group(1)), m2.group(2)
+                if proj in ("down_proj", "w2"):
+                    return f"{prefix}mlp.w2", expert, 0
+                offset = 0 if proj in ("gate_proj", "w1") else inter
+                return f"{prefix}mlp.w13", expert, offset
+            if m2 := _STACKED.match(rest):
+                return f"{prefix}mlp.{'w13' if m2.group(1) == 'gate_up_proj' else 'w2'}", None, 0
+            if rest == "block_sparse_moe.gate.weight":
+                return f"{prefix}mlp.gate.weight", None, 0
+        return name, None, 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        numel_loaded = dict.fromkeys(params, 0)
+        for hf_name, tensor in weights:
+            route = self.weight_target(hf_name)
+            if route is None:
+                continue
+            name, expert, offset = route
+            if isinstance(tensor, PackedInt4):  # into an Int4Linear, still packed
+                self._load_packed(hf_name, name, tensor, offset)
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} matches no model parameter")
+            target = param.data if expert is None else param.data[expert]
+            try:
+                if offset == 0 and tuple(tensor.shape) == tuple(target.shape):
+                    with torch.no_grad():
+                        target.copy_(tensor)
+                else:
+                    load_shard(target, tensor, offset)
+            except ValueError as exc:
+                raise ModelLoadError(f"tensor {hf_name!r}: {exc}") from exc
+            numel_loaded[name] += tensor.numel()
+        missing = [n for n, p in params.items() if numel_loaded[n] != p.numel()]
+        missing += [f"{m}.weight" for m in unloaded_int4_linears(self)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks weights for {len(missing)} parameters: {shown}")
+
+    def _load_packed(self, hf_name: str, name: str, packed: PackedInt4, offset: int) -> None:
+        module_name = name.removesuffix(".weight")
+        module = self.get_submodule(module_name) if name.endswith(".weight") else None
+        if not isinstance(module, Int4Linear):
+            raise ModelLoadError(f"packed checkpoint tensor {hf_name!r}: {name} is not INT4")
+        try:
+            module.load_shard(packed, offset)
+        except ValueError as exc:
+            raise ModelLoadError(f"tensor {hf_name!r}: {exc}") from exc

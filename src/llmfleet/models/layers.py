@@ -1,0 +1,208 @@
+"""Building blocks shared by every architecture: norm, activation, dense MLP, attention.
+
+Projections that are applied to the same input are fused into one weight (q/k/v into
+`qkv_proj`, gate/up into `gate_up_proj`); the HF checkpoint tensors are copied into row slices
+of the fused weight by `load_shard`. Activations are flattened token-major: (T, hidden).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmfleet.models.attention.backend import AttentionBackend
+from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.rotary import RotaryPositions
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in float32 as HF does.
+
+    With `residual` given, the sum x + residual is normalized and returned too, so a decoder
+    layer passes (out, residual) along instead of materializing the add separately.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused native op; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:  # the fused Triton kernel (add + norm in one pass)
+            from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])  # (tokens[*heads], size): q/k norms are per head
+            res2 = None if residual is None else residual.reshape(-1, shape[-1])
+            out = dispatch.rms_norm(x2, self.weight, self.eps, res2)
+            if residual is None:
+                return out.view(shape)  # type: ignore[union-attr]
+            normed, new_res = out  # type: ignore[misc]
+            return normed.view(shape), new_res.view(shape)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2I) laid out [gate | up] -> (..., I) = silu(gate) * up."""
+    if x.is_cuda and x.dim() == 2:
+        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+        return dispatch.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear`, except up to 64 16-bit rows on CUDA (decode steps): one row runs the Triton
+    GEMV (kernels/gemv.py), which streams the weight faster than cuBLAS at M = 1 on every
+    Llama-3-8B projection shape; 2..64 rows run the skinny GEMM (kernels/skinny_gemm.py) on
+    the shapes where this GPU's tuned file says it beat cuBLAS (docs/benchmarks.md). `out`
+    (the result's shape, x's dtype or float32) receives the result, which is then returned."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= 64:
+        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+        return dispatch.decode_linear(x, weight, bias, out=out)
+    y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # (T, 2I) weight [gate | up] -> (T, I)
+    """`silu_and_mul(linear(x, weight, bias))` for a fused [gate | up] weight. Up to 64
+    16-bit rows on CUDA compute the activation in the projection's kernel where ours serves
+    the shape (`dispatch.decode_gated_linear`), saving the activation's launch and its
+    round trip through memory."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= 64:
+        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
+
+        return dispatch.decode_gated_linear(x, weight, bias)
+    return silu_and_mul(linear(x, weight, bias))
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`: the same parameters, state dict and results."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def rowwise_linear(
+    x: torch.Tensor,  # (..., in_features)
+    out_features: int,
+    bias: torch.Tensor | None,
+    matmul: Callable[[torch.Tensor], torch.Tensor],  # (rows, in) unit-stride -> (rows, out)
+) -> torch.Tensor:  # (..., out_features)
+    """A quantized linear layer's forward around its `matmul`: flatten the leading dims, make
+    the last one unit-stride (what the kernels require), add the bias, restore the shape."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = matmul(x2)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], out_features)
+
+
+def load_shard(param: torch.Tensor, weight: torch.Tensor, offset: int = 0) -> None:
+    """Copy `weight` into rows offset .. offset + len(weight) of `param` (a fused weight)."""
+    rows = weight.shape[0]
+    if offset + rows > param.shape[0] or tuple(weight.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(
+            f"shard of shape {tuple(weight.shape)} at row {offset} "
+            f"does not fit {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param[offset : offset + rows].copy_(weight)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        gate_up = self.gate_up_proj
+        if type(gate_up) is Linear:  # not replaced by a quantized layer
+            return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(silu_and_mul(gate_up(x)))  # via (T, 2I) -> (T, I)
+
+    def shard_offset(self, hf_proj: str) -> int:
+        """Row offset in gate_up_proj of the HF projection `gate_proj` or `up_proj`."""
+        return 0 if hf_proj == "gate_proj" else self.intermediate_size
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, optional per-head q/k RMSNorm
+    (Qwen3), rotary, the paged attention backend, output projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads not divisible by {num_kv_heads} KV heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def shard_offset(self, hf_proj: str) -> int:
+        """Row offset in qkv_proj of the HF projection `q_proj`, `k_proj` or `v_proj`."""
+        return {"q_proj": 0, "k_proj": self.q_size, "v_proj": self.q_size + self.kv_size}[hf_proj]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        rope: RotaryPositions,
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        qkv = qkv.view(t, h + 2 * hkv, self.head_dim)
+        q, k, v = qkv.split([h, hkv, hkv], dim=1)  # views: (T, H, D), (T, Hkv, D), (T, Hkv, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # The backend rotates q and k (in place on GPUs, fused with its KV cache write).
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, rope=rope)  # (T, H, D)
+        return self.o_proj(o.reshape(t, self.q_size))

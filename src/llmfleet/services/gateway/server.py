@@ -1,0 +1,54 @@
+"""Run the gateway: uvicorn serving `create_app(config)` until SIGTERM/SIGINT.
+
+On a signal uvicorn stops accepting connections, lets open requests (streams included) finish
+for `grace_s`, then closes the rest (their Generate calls are cancelled) and the gRPC channel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import prometheus_client
+import uvicorn
+
+from llmfleet.services.gateway.app import create_app
+from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.shared.core.errors import LLMFleetError
+from llmfleet.shared.wire.tracing import setup_tracing
+
+logger = logging.getLogger(__name__)
+
+
+def build_server(config: GatewayConfig, *, tokenizer: Any = None) -> uvicorn.Server:
+    app = create_app(config, tokenizer=tokenizer)
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_config=None,  # the process's logging setup
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=config.grace_s,
+        )
+    )
+
+
+def bound_address(server: uvicorn.Server) -> str:
+    """HOST:PORT the started server listens on (the real port when configured with 0)."""
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return f"{host}:{port}"
+
+
+async def serve(config: GatewayConfig, *, tokenizer: Any = None) -> None:
+    """Serve until a signal; raises LLMFleetError when the app could not start (e.g. the
+    tokenizer failed to load; uvicorn has logged why)."""
+    setup_tracing("gateway")  # OTEL_* variables; a bad value stops the start, naming it
+    server = build_server(config, tokenizer=tokenizer)
+    if config.metrics_port is not None:
+        httpd, _ = prometheus_client.start_http_server(config.metrics_port, addr=config.host)
+        logger.info("gateway metrics on :%d", httpd.server_port)
+    await server.serve()
+    if not server.started:
+        raise LLMFleetError("the gateway did not start")

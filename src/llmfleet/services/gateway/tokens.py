@@ -1,0 +1,79 @@
+"""What the gateway needs from the served model's tokenizer: token spellings and prompt lengths.
+
+The scheduler streams token ids; OpenAI's logprobs spell each token as text plus its UTF-8
+bytes. A token's text is what decoding it alone gives. A token that holds only part of a
+multi-byte character decodes to U+FFFD, so its bytes come from the tokenizer's own byte
+spelling instead: byte-level BPE pieces (GPT-2's printable byte alphabet, "Ġ" for a space) or
+SentencePiece byte-fallback pieces ("<0xE2>").
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llmfleet.text.chat import tokenize_chat
+
+logger = logging.getLogger(__name__)
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_REPLACEMENT = "\ufffd"
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable character -> the byte it stands for.
+
+    Printable Latin-1 bytes stand for themselves; every other byte b is spelled chr(256 + k),
+    k counting those bytes in order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet = {chr(b): b for b in printable}
+    k = 0
+    for b in range(256):
+        if b not in alphabet.values():
+            alphabet[chr(256 + k)] = b
+            k += 1
+    return alphabet
+
+
+class TokenSpeller:
+    """Token text and bytes by id, cached; plus chat prompt lengths. Thread-safe for reads."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def spell(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, UTF-8 bytes) of one token."""
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._spell(token_id)
+        return hit
+
+    def text(self, token_id: int) -> str:
+        return self.spell(token_id)[0]
+
+    def _spell(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if _REPLACEMENT not in text:
+            return text, list(text.encode("utf-8"))
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            m = _BYTE_PIECE.match(piece)
+            if m is not None:
+                return text, [int(m.group(1), 16)]
+            alphabet = _byte_level_alphabet()
+            if piece and all(ch in alphabet for ch in piece):
+                return text, [alphabet[ch] for ch in piece]
+        return text, list(text.encode("utf-8"))
+
+    def chat_prompt_len(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> int:
+        """Tokens of the chat prompt as the tokenizer service renders it (same function)."""
+        ids = tokenize_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        return len(ids)

@@ -1,0 +1,265 @@
+"""Where a request's legs run: routing decisions, legs, retries, placement and migration.
+
+    placement = Placement(config, registry, pool, kv, replies, policy, on_broken=worker_gone)
+    worker_id = placement.route(run, "unified", run.prompt_ids)    # policy over live workers
+    await placement.place(run, indices, prompt_ids, params)         # AddRequest, retrying
+    await placement.migrate(run, worker_id, why)                    # what it held, elsewhere
+
+A leg is one submission to one worker (request.py). Every failed attempt counts as one retry of
+the request and excludes that worker from it; past `max_retries` the request fails with
+UNAVAILABLE (RESOURCE_EXHAUSTED when the last worker was full). A worker whose channel is broken
+is dropped from the fleet on the spot (`on_broken`), which migrates its other requests too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from llmfleet.services.router import metrics, spans
+from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
+from llmfleet.services.router.replies import ReplyReceiver
+from llmfleet.services.router.request import Completion, Leg, RequestRun
+from llmfleet.services.router.routing import Candidate, Policy
+from llmfleet.services.router.workers import WorkerPool
+from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.convert import sampling_to_pb
+from llmfleet.shared.wire.kv_subscriber import KVSubscriber
+from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from llmfleet.shared.wire.service import Unavailable
+from llmfleet.shared.wire.tracing import metadata
+from llmfleet.v1 import dataplane_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 10.0
+_ADD_TIMEOUT_S = 60.0
+# Worker answers that say "this request is wrong" rather than "not here, try elsewhere".
+FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
+
+
+def field_error(details: str | None, default_field: str) -> ValidationError:
+    """A ValidationError from an INVALID_ARGUMENT status whose details read `field: message`."""
+    text = details or ""
+    field, sep, message = text.partition(": ")
+    if sep and field and " " not in field:
+        return ValidationError(field, message)
+    return ValidationError(default_field, text)
+
+
+def mark_submitted(run: RequestRun) -> None:
+    """The request left the scheduler's queue (first successful submission)."""
+    if run.submitted_at is None:
+        run.submitted_at = time.perf_counter()
+        metrics.QUEUE_TIME.labels(run.model.model_id).observe(run.submitted_at - run.arrival)
+        NUM_REQUESTS_WAITING.labels(run.model.model_id).dec()
+        NUM_REQUESTS_RUNNING.labels(run.model.model_id).inc()
+
+
+class Placement:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        registry: WorkerRegistry,
+        pool: WorkerPool,
+        kv: KVSubscriber,
+        replies: ReplyReceiver,
+        policy: Policy,
+        *,
+        on_broken: Callable[[str, str], None],
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.pool = pool
+        self.kv = kv
+        self.replies = replies
+        self.policy = policy
+        self._on_broken = on_broken
+        self._inflight: dict[str, int] = {}  # worker id -> legs the scheduler placed there
+
+    @property
+    def serving_role(self) -> str:
+        return ROLE_DECODE if self.config.mode == "disaggregated" else ROLE_UNIFIED
+
+    def candidates(
+        self, run: RequestRun, role: str, hashes: Sequence[bytes], use_prefix: bool
+    ) -> list[Candidate]:
+        out = []
+        for w in self.registry.live(role):
+            if w.worker_id in run.excluded:
+                continue
+            prefix = self.kv.index.matched_prefix(w.worker_id, hashes) if use_prefix else 0
+            out.append(
+                Candidate(
+                    w.worker_id,
+                    max(w.load.num_requests, self._inflight.get(w.worker_id, 0)),
+                    w.load.num_free_blocks,
+                    prefix,
+                )
+            )
+        return out
+
+    def route(
+        self, run: RequestRun, role: str, prompt_ids: Sequence[int], policy: Policy | None = None
+    ) -> str:
+        """The worker of `role` for `prompt_ids` (one `route` span in the request's trace)."""
+        policy = policy or self.policy
+        hashes: Sequence[bytes] = ()
+        if policy.needs_prefix:
+            hashes = run.block_hashes
+            if len(prompt_ids) != len(run.prompt_ids):  # a continuation: its own chain
+                ctx = HashContext(run.model.model_id, run.cache_salt)
+                hashes = hash_block_chain(prompt_ids, run.model.block_size, ctx)
+        with spans.tracer.start_as_current_span(
+            "route", run.trace, attributes={"llmfleet.routing.role": role}
+        ) as span:
+            cands = self.candidates(run, role, hashes, policy.needs_prefix)
+            if not cands:
+                raise Unavailable(f"no live {role} worker for request {run.request_id}")
+            decision = policy.choose(cands, run.model.block_size)
+            spans.set_route(
+                span,
+                decision.policy,
+                decision.outcome,
+                decision.worker_id,
+                decision.matched_prefix_tokens,
+            )
+        metrics.ROUTING.labels(decision.policy, decision.outcome).inc()
+        logger.debug(
+            "request %s -> %s (%s, %s, prefix %d tokens)",
+            run.request_id,
+            decision.worker_id,
+            decision.policy,
+            decision.outcome,
+            decision.matched_prefix_tokens,
+        )
+        return decision.worker_id
+
+    def new_leg(self, run: RequestRun, worker_id: str, indices: tuple[int, ...]) -> Leg:
+        wire_id = run.next_wire_id()
+        run.num_legs += 1
+        run.used(worker_id)
+        leg = Leg(wire_id, worker_id, indices)
+        run.legs[wire_id] = leg
+        self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+        events = run.events
+
+        def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
+            events.put_nowait((leg, from_worker, outs))
+
+        self.replies.register(wire_id, sink)
+        return leg
+
+    def close_leg(self, run: RequestRun, leg: Leg) -> None:
+        if run.legs.pop(leg.wire_id, None) is None:
+            return
+        self.replies.unregister(leg.wire_id)
+        n = self._inflight.get(leg.worker_id, 0) - 1
+        if n > 0:
+            self._inflight[leg.worker_id] = n
+        else:
+            self._inflight.pop(leg.worker_id, None)
+
+    def retry(self, run: RequestRun, worker_id: str, why: str, code: grpc.StatusCode) -> None:
+        """Count one retry after `worker_id` failed the request, or give up."""
+        run.excluded.add(worker_id)
+        if self.pool.is_broken(worker_id):
+            self._on_broken(worker_id, why)
+        run.num_retries += 1
+        if run.num_retries > self.config.max_retries:
+            retries = self.config.max_retries
+            msg = f"request {run.request_id}: {why} (gave up after {retries} retries)"
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise CapacityError(msg)
+            raise Unavailable(msg)
+        logger.info("request %s: %s; retrying", run.request_id, why)
+
+    async def place(
+        self,
+        run: RequestRun,
+        indices: tuple[int, ...],
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Run completions `indices` on one worker via AddRequest (retrying elsewhere)."""
+        role = self.serving_role
+        while True:
+            worker_id = self.route(run, role, prompt_ids)
+            stub = self.pool.stub(worker_id)
+            leg = self.new_leg(run, worker_id, indices)
+            try:
+                if stub is None:
+                    raise Unavailable(f"worker {worker_id} is not connected")
+                resp = await stub.AddRequest(
+                    worker_pb2.AddRequestRequest(
+                        request_id=leg.wire_id,
+                        prompt_token_ids=prompt_ids,
+                        sampling=sampling_to_pb(params),
+                        cache_salt=run.cache_salt,
+                        reply_endpoint=self.replies.endpoint,
+                    ),
+                    timeout=_ADD_TIMEOUT_S,
+                    metadata=metadata(run.trace),
+                )
+            except grpc.aio.AioRpcError as exc:
+                self.close_leg(run, leg)
+                if exc.code() in FINAL_CODES:
+                    raise field_error(exc.details(), "prompt") from None
+                why = f"worker {worker_id} AddRequest: {exc.code().name}: {exc.details()}"
+                self.retry(run, worker_id, why, exc.code())
+                continue
+            except Unavailable as exc:
+                self.close_leg(run, leg)
+                self.retry(run, worker_id, str(exc), grpc.StatusCode.UNAVAILABLE)
+                continue
+            if run.num_legs == 1:
+                run.num_cached_tokens = max(run.num_cached_tokens, resp.num_cached_tokens)
+            mark_submitted(run)
+            return
+
+    async def migrate(self, run: RequestRun, worker_id: str, why: str) -> None:
+        """Re-submit what `worker_id` held: prompt + each completion's streamed tokens."""
+        if run.lease is not None and run.lease.decode_worker_id == worker_id:
+            run.lease = None
+            metrics.LEASES.labels("lost").inc()
+        legs = [leg for leg in run.legs.values() if leg.worker_id == worker_id]
+        unfinished = [
+            run.completions[i]
+            for leg in legs
+            for i in leg.indices
+            if not run.completions[i].finished
+        ]
+        for leg in legs:
+            self.close_leg(run, leg)
+        if not unfinished:
+            return
+        why = f"worker {worker_id} failed: {why}"
+        self.retry(run, worker_id, why, grpc.StatusCode.UNAVAILABLE)
+        metrics.MIGRATIONS.inc()
+        if not any(c.token_ids for c in unfinished):
+            params = dataclasses.replace(run.params, n=len(unfinished))
+            await self.place(run, tuple(c.index for c in unfinished), run.prompt_ids, params)
+            return
+        for c in unfinished:
+            await self.place(
+                run, (c.index,), run.prompt_ids + c.token_ids, _continuation(run.params, c)
+            )
+
+
+def _continuation(params: SamplingParams, c: Completion) -> SamplingParams:
+    """Sampling for completion `c` resumed elsewhere after `len(c.token_ids)` streamed tokens."""
+    done = len(c.token_ids)
+    return dataclasses.replace(
+        params,
+        n=1,
+        max_tokens=max(1, params.max_tokens - done),
+        min_tokens=max(0, params.min_tokens - done),
+        seed=None if params.seed is None else params.seed + c.index,
+    )

@@ -1,0 +1,83 @@
+"""A Generate request's prompt and sampling, validated: first its shape, then against the model.
+
+    kind, params = check_shape(req)                          # before admission
+    ids = await prompt_token_ids(tokenizer, req, kind, model) # tokenizer for text and chat
+    check_sampling(params, model, len(ids))
+
+Errors are `ValidationError`s naming the request field (`text`, `tokens.token_ids`,
+`chat.messages[0].role`, `sampling.max_tokens`, ...); a tokenizer that cannot be reached is
+`Unavailable`.
+"""
+
+from __future__ import annotations
+
+import grpc
+from opentelemetry.context import Context
+
+from llmfleet.services.router.placement import CONTROL_TIMEOUT_S, field_error
+from llmfleet.services.router.registry import ModelSpec
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
+from llmfleet.shared.wire.convert import sampling_from_pb
+from llmfleet.shared.wire.service import Unavailable
+from llmfleet.shared.wire.tracing import metadata
+from llmfleet.v1 import generation_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
+
+def check_shape(req: generation_pb2.GenerateRequest) -> tuple[str, SamplingParams]:
+    """The prompt kind ("text", "tokens" or "chat") and the sampling parameters."""
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise ValidationError("prompt", "set exactly one of text, tokens or chat")
+    params = sampling_from_pb(req.sampling)
+    if kind == "text" and not req.text:
+        raise ValidationError("text", "must not be empty")
+    if kind == "tokens" and not req.tokens.token_ids:
+        raise ValidationError("tokens.token_ids", "must not be empty")
+    return kind, params
+
+
+async def prompt_token_ids(
+    tokenizer: tokenizer_pb2_grpc.TokenizerStub,
+    req: generation_pb2.GenerateRequest,
+    kind: str,
+    model: ModelSpec,
+    trace: Context | None = None,
+) -> list[int]:
+    """The prompt's token ids (`trace`: the request's context, sent along to the tokenizer)."""
+    if kind == "tokens":
+        ids = list(req.tokens.token_ids)
+        for i, t in enumerate(ids):
+            if not 0 <= t < model.vocab_size:
+                raise ValidationError(
+                    "tokens.token_ids",
+                    f"token id {t} at position {i} is outside the vocabulary "
+                    f"[0, {model.vocab_size})",
+                )
+        return ids
+    tok_req = (
+        tokenizer_pb2.TokenizeRequest(text=req.text)
+        if kind == "text"
+        else tokenizer_pb2.TokenizeRequest(chat=req.chat)
+    )
+    try:
+        resp = await tokenizer.Tokenize(
+            tok_req, timeout=CONTROL_TIMEOUT_S, metadata=metadata(trace)
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+            raise field_error(exc.details(), kind) from None
+        raise Unavailable(f"tokenizer: {exc.code().name}: {exc.details()}") from None
+    if not resp.token_ids:
+        raise ValidationError(kind, "the prompt has no tokens")
+    return list(resp.token_ids)
+
+
+def check_sampling(params: SamplingParams, model: ModelSpec, num_prompt_tokens: int) -> None:
+    limits = SamplingLimits(max_n=model.max_n, max_logprobs=model.max_logprobs)
+    try:
+        params.check_against(
+            limits, num_prompt_tokens=num_prompt_tokens, max_model_len=model.max_model_len
+        )
+    except ValidationError as exc:
+        raise ValidationError(f"sampling.{exc.field}", exc.message) from None

@@ -1,0 +1,113 @@
+"""One client request inside the scheduler: its completions, where they run, what was streamed.
+
+A request is submitted as one or more *legs*. A leg is one submission to one worker under a
+wire id (the id the worker and the reply endpoint know it by); wire index i of a leg is
+completion `indices[i]` of the request. Normally there is one leg holding all n completions;
+after a migration each unfinished completion that already streamed tokens runs as its own leg
+(n=1, prompt + its streamed tokens). Late outputs of an abandoned leg never reach the request:
+its wire id is unregistered from the reply endpoint and outputs from another worker are ignored.
+
+Everything here is owned by the request's own task (the Generate handler), except `events`,
+which the reply endpoint, the failure detector and Abort feed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry.context import Context
+
+from llmfleet.services.router.detok import DetokStream
+from llmfleet.services.router.registry import ModelSpec
+from llmfleet.shared.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An open KV reservation on a decode worker (disaggregated handoff)."""
+
+    lease_id: str
+    epoch: int
+    decode_worker_id: str
+    kv_endpoint: str
+    expires_at_unix_ms: int
+    num_blocks: int
+
+
+@dataclass
+class Leg:
+    wire_id: str
+    worker_id: str
+    indices: tuple[int, ...]
+    open_indices: set[int] = field(default_factory=set)  # wire indices the worker still runs
+
+    def __post_init__(self) -> None:
+        self.open_indices = set(range(len(self.indices)))
+
+
+@dataclass
+class Completion:
+    index: int
+    detok: DetokStream
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = ""  # "stop" | "length" | "abort" once finished
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Aborted:
+    pass
+
+
+@dataclass
+class RequestRun:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str
+    model: ModelSpec
+    block_hashes: list[bytes]
+    completions: list[Completion]
+    arrival: float = field(default_factory=time.perf_counter)
+    events: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
+    legs: dict[str, Leg] = field(default_factory=dict)
+    lease: Lease | None = None
+    excluded: set[str] = field(default_factory=set)  # workers that failed this request
+    num_legs: int = 0
+    num_retries: int = 0
+    num_cached_tokens: int = 0
+    submitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    aborted: bool = False
+    trace: Context = field(default_factory=Context)  # its `llm_request` span (spans.py)
+    workers_used: list[str] = field(default_factory=list)  # every worker it ran on, in order
+
+    def used(self, worker_id: str) -> None:
+        if worker_id not in self.workers_used:
+            self.workers_used.append(worker_id)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def next_wire_id(self) -> str:
+        """The wire id of the next leg: the request id, then `<request id>/<leg number>`."""
+        return self.request_id if self.num_legs == 0 else f"{self.request_id}/{self.num_legs}"
+
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+    def worker_ids(self) -> set[str]:
+        ids = {leg.worker_id for leg in self.legs.values()}
+        if self.lease is not None:
+            ids.add(self.lease.decode_worker_id)
+        return ids

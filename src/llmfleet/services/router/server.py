@@ -1,0 +1,322 @@
+"""The scheduler service: `llmfleet.v1.Generation` (public) and `llmfleet.v1.Registry` (workers).
+
+    server = SchedulerServer(SchedulerConfig(port=0, tokenizer_address=...))
+    await server.start()          # health NOT_SERVING until the tokenizer answers and a worker
+    ...                           # of the serving role (unified / decode) is live
+    await server.stop()
+
+    await serve(config)           # the process entry point: runs until SIGTERM, then drains
+
+The servicers are thin: protobuf in, `Scheduler` (orchestrator.py) and `WorkerRegistry`
+(registry.py) do the work, typed errors become status codes through `abort_with`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmfleet.services.router.orchestrator import Scheduler
+from llmfleet.services.router.registry import ROLES, Load, ModelSpec
+from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.shared.wire.service import Service, abort_with
+from llmfleet.shared.wire.tracing import context_from_metadata
+from llmfleet.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+REGISTRY = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+_ROLE_FROM_PB = {
+    common_pb2.WORKER_ROLE_UNIFIED: "unified",
+    common_pb2.WORKER_ROLE_PREFILL: "prefill",
+    common_pb2.WORKER_ROLE_DECODE: "decode",
+}
+_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
+
+
+def _version() -> str:
+    try:
+        return version("llmfleet")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def load_from_pb(pb: common_pb2.LoadReport) -> Load:
+    return Load(
+        num_running=pb.num_running,
+        num_waiting=pb.num_waiting,
+        num_free_blocks=pb.num_free_blocks,
+        num_total_blocks=pb.num_total_blocks,
+        num_active_leases=pb.num_active_leases,
+    )
+
+
+def load_to_pb(load: Load) -> common_pb2.LoadReport:
+    return common_pb2.LoadReport(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
+        num_active_leases=load.num_active_leases,
+    )
+
+
+def model_from_pb(pb: common_pb2.ModelInfo) -> ModelSpec:
+    if not pb.model_id:
+        raise ValidationError("model.model_id", "must not be empty")
+    if pb.vocab_size < 1 or pb.max_model_len < 1 or pb.block_size < 1:
+        raise ValidationError("model", "vocab_size, max_model_len and block_size must be >= 1")
+    return ModelSpec(
+        model_id=pb.model_id,
+        vocab_size=pb.vocab_size,
+        max_model_len=pb.max_model_len,
+        block_size=pb.block_size,
+        max_n=pb.max_n or 1,
+        max_logprobs=pb.max_logprobs,
+        architecture=pb.architecture,
+        eos_token_ids=tuple(pb.eos_token_ids),
+    )
+
+
+def model_to_pb(m: ModelSpec) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=m.model_id,
+        architecture=m.architecture,
+        vocab_size=m.vocab_size,
+        max_model_len=m.max_model_len,
+        eos_token_ids=list(m.eos_token_ids),
+        max_n=m.max_n,
+        max_logprobs=m.max_logprobs,
+        block_size=m.block_size,
+    )
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServicer):
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    async def RegisterWorker(
+        self, request: registry_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.RegisterWorkerResponse:
+        try:
+            if not request.worker_id:
+                raise ValidationError("worker_id", "must not be empty")
+            role = _ROLE_FROM_PB.get(request.role)
+            if role not in ROLES:
+                raise ValidationError("role", "must be unified, prefill or decode")
+            if not request.address:
+                raise ValidationError("address", "must not be empty")
+            model = model_from_pb(request.model)
+            reg = self.sched.registry.register(
+                request.worker_id,
+                role,
+                request.address,
+                request.kv_events_endpoint,
+                model,
+                load_from_pb(request.load),
+            )
+        except ValidationError as exc:
+            await abort_with(context, exc)
+            raise
+        resubscribe = reg.is_new or reg.events_changed or reg.address_changed
+        self.sched.on_registered(
+            request.worker_id,
+            reg.address_changed,
+            request.kv_events_endpoint if resubscribe else None,
+        )
+        logger.info("worker %s (%s) registered at %s", request.worker_id, role, request.address)
+        return registry_pb2.RegisterWorkerResponse(
+            heartbeat_interval_ms=self.sched.config.heartbeat_interval_ms
+        )
+
+    async def Heartbeat(
+        self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.HeartbeatResponse:
+        load = load_from_pb(request.load) if request.HasField("load") else None
+        return registry_pb2.HeartbeatResponse(
+            known=self.sched.registry.heartbeat(request.worker_id, load)
+        )
+
+    async def DeregisterWorker(
+        self, request: registry_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.DeregisterWorkerResponse:
+        self.sched.worker_gone(request.worker_id, "deregistered")
+        return registry_pb2.DeregisterWorkerResponse()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        parent = context_from_metadata(context.invocation_metadata())
+        try:
+            async for resp in self.sched.generate(request, parent):
+                yield resp
+        except LLMFleetError as exc:
+            await abort_with(context, exc)
+
+    async def Abort(
+        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AbortResponse:
+        return generation_pb2.AbortResponse(found=self.sched.abort(request.request_id))
+
+    async def GetModelInfo(
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GetModelInfoResponse:
+        model = self.sched.model()
+        if model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker serves a model")
+        return generation_pb2.GetModelInfoResponse(model=model_to_pb(model))
+
+    async def GetServerInfo(
+        self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GetServerInfoResponse:
+        cfg = self.sched.config
+        return generation_pb2.GetServerInfoResponse(
+            version=_version(),
+            mode=cfg.mode,
+            routing_policy=cfg.routing_policy,
+            workers=[
+                generation_pb2.WorkerStatus(
+                    worker_id=w.worker_id,
+                    role=_ROLE_TO_PB[w.role],
+                    address=w.address,
+                    load=load_to_pb(w.load),
+                    num_indexed_blocks=self.sched.kv.index.num_blocks(w.worker_id),
+                )
+                for w in self.sched.registry.live()
+            ],
+        )
+
+
+class SchedulerServer:
+    """The running service: gRPC servicers, the scheduler core, health and liveness loops."""
+
+    def __init__(self, config: SchedulerConfig, *, expose_metrics: bool = True) -> None:
+        self.config = config
+        self.service = Service(
+            "scheduler",
+            config.host,
+            config.port,
+            metrics_port=config.metrics_port if expose_metrics else None,
+            self_traced=[f"/{GENERATION}/Generate"],  # its span is the scheduler's llm_request
+        )
+        self._ctx = zmq.asyncio.Context()
+        self._tok_channel = grpc.aio.insecure_channel(config.tokenizer_address)
+        self.scheduler = Scheduler(
+            config, self._ctx, tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
+        )
+        self._health_stub = health_pb2_grpc.HealthStub(self._tok_channel)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.scheduler), self.service.server
+        )
+        registry_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(self.scheduler), self.service.server
+        )
+        self._loops: list[asyncio.Task[None]] = []
+        self.serving = False
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    async def start(self) -> None:
+        self.scheduler.start()
+        await self.service.start([GENERATION, REGISTRY])
+        self._loops = [asyncio.create_task(self._liveness_loop())]
+        logger.info(
+            "scheduler on %s (%s, %s), replies on %s",
+            self.address,
+            self.config.mode,
+            self.config.routing_policy,
+            self.scheduler.replies.endpoint,
+        )
+
+    def begin_drain(self) -> None:
+        """Stop taking requests (health NOT_SERVING); running ones finish within the grace."""
+        self.scheduler.draining = True
+        for task in self._loops:
+            task.cancel()
+        self.service.request_stop()
+
+    async def wait_drained(self) -> None:
+        await self.service.wait_for_termination()
+        await self._close()
+
+    async def drain(self) -> None:
+        self.begin_drain()
+        await self.wait_drained()
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        self.scheduler.draining = True
+        for task in self._loops:
+            task.cancel()
+        await self.service.server.stop(grace_s)
+        await self._close()
+
+    async def _close(self) -> None:
+        await self.scheduler.close()
+        await self._tok_channel.close()
+        self._ctx.term()
+
+    async def _tokenizer_ready(self) -> bool:
+        try:
+            resp = await self._health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError as exc:
+            # A tokenizer without the health service still answered.
+            return exc.code() is grpc.StatusCode.UNIMPLEMENTED
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _liveness_loop(self) -> None:
+        """Drop silent workers; SERVING exactly while the tokenizer and a usable worker are up."""
+        period = min(self.config.heartbeat_interval_ms, self.config.heartbeat_timeout_ms / 4)
+        while True:
+            self.scheduler.sweep()
+            serving = self.scheduler.usable() and await self._tokenizer_ready()
+            if serving != self.serving:
+                self.serving = serving
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if serving
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for name in ("", GENERATION, REGISTRY):
+                    await self.service.health.set(name, status)
+                logger.info("scheduler %s", "SERVING" if serving else "NOT_SERVING")
+            await asyncio.sleep(period / 1000.0)
+
+
+async def serve(
+    config: SchedulerConfig, *, on_started: Callable[[SchedulerServer], None] | None = None
+) -> None:
+    """Run the scheduler until SIGTERM/SIGINT (or `server.begin_drain()`), then drain."""
+    server = SchedulerServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, server.begin_drain)
+    if on_started is not None:
+        on_started(server)
+    await server.wait_drained()

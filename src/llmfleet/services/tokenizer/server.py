@@ -1,0 +1,245 @@
+"""The tokenizer service: `llmfleet.v1.Tokenizer` over the core in chat.py and detokenizer.py.
+
+    svc = await start(TokenizerConfig(port=0))     # SERVING once the tokenizer is loaded
+    ...
+    svc.request_stop(); await svc.wait_for_termination()
+
+The servicer is a thin shell: protobuf in, core functions, protobuf out. Validation errors from
+the core name fields as the core spells them (`prompt`, `messages[0].role`); they are renamed to
+their path in the request message here (`text`, `chat.messages[0].role`).
+
+Detokenize protocol (one stream per completion): the first message must be `start`; each later
+`tokens` message is answered by exactly one response (`start` itself gets none). A response's
+`text` is the text safe to emit now; `stop_string` is set on the response where a stop string
+matched and on every later one (the state is sticky; later text is always empty). A `tokens`
+message with `finished=true` also flushes held-back text; the stream may not send tokens after
+it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+import prometheus_client
+from opentelemetry import trace
+
+from llmfleet.shared.core.config import TokenizerConfig
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.wire.service import Service, Unavailable, abort_with
+from llmfleet.shared.wire.tracing import child_span
+from llmfleet.text.chat import encode_rendered, render_chat, tokenize_prompt
+from llmfleet.text.detokenizer import IncrementalDetokenizer
+from llmfleet.text.loading import load_tokenizer
+from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+LATENCY = prometheus_client.Histogram(
+    "llmfleet:tokenizer_latency_seconds",
+    "Time to serve one Tokenize call or one Detokenize message",
+    ["op"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0),
+)
+
+T = TypeVar("T")
+
+
+_MAX_TOKEN_ID = 1 << 31  # past any model's vocabulary
+
+
+def _renamed(exc: ValidationError, field: str) -> ValidationError:
+    return ValidationError(field, exc.message)
+
+
+def _check_ids(ids: Any, vocab_size: int, field: str) -> list[int]:
+    out = list(ids)
+    for i, t in enumerate(out):
+        if not 0 <= t < vocab_size:
+            raise ValidationError(
+                f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})"
+            )
+    return out
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    """Answers UNAVAILABLE until `set_tokenizer` is called (the service is NOT_SERVING then)."""
+
+    def __init__(self, tokenizer: Any | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = len(tokenizer) if tokenizer is not None else 0
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = len(tokenizer)
+
+    def _require_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise Unavailable("the tokenizer is still loading")
+        return self._tokenizer
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        start = time.perf_counter()
+        try:
+            tokenizer = self._require_tokenizer()
+            encode = self._encoder(tokenizer, request)
+            # Chat templates (jinja) and long texts take milliseconds: keep the loop (health
+            # checks, detokenize streams) responsive.
+            ids = await asyncio.to_thread(encode)
+        except (ValidationError, Unavailable) as exc:
+            await abort_with(context, exc)  # raises grpc's AbortError
+            raise
+        finally:
+            LATENCY.labels("tokenize").observe(time.perf_counter() - start)
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids)
+
+    @staticmethod
+    def _encoder(tokenizer: Any, request: tokenizer_pb2.TokenizeRequest) -> Callable[[], list[int]]:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            text = request.text
+
+            def encode_text() -> list[int]:
+                try:
+                    with child_span(tracer, "tokenize") as span:
+                        ids = tokenize_prompt(tokenizer, text)
+                        span.set_attribute("llmfleet.num_tokens", len(ids))
+                        return ids
+                except ValidationError as exc:
+                    raise _renamed(exc, "text") from None
+
+            return encode_text
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            add_generation_prompt = (
+                request.chat.add_generation_prompt
+                if request.chat.HasField("add_generation_prompt")
+                else True
+            )
+
+            def encode_chat() -> list[int]:
+                try:
+                    with child_span(tracer, "render") as span:
+                        span.set_attribute("llmfleet.chat.num_messages", len(messages))
+                        rendered = render_chat(
+                            tokenizer, messages, add_generation_prompt=add_generation_prompt
+                        )
+                    with child_span(tracer, "tokenize") as span:
+                        ids = encode_rendered(tokenizer, rendered)
+                        span.set_attribute("llmfleet.num_tokens", len(ids))
+                        return ids
+                except ValidationError as exc:
+                    raise _renamed(exc, f"chat.{exc.field}") from None
+
+            return encode_chat
+        raise ValidationError("input", "set exactly one of text or chat")
+
+    async def Detokenize(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
+        detok: IncrementalDetokenizer | None = None
+        finished = False
+        try:
+            tokenizer = self._require_tokenizer()
+            async for request in request_iterator:
+                start = time.perf_counter()
+                kind = request.WhichOneof("kind")
+                if detok is None:
+                    if kind != "start":
+                        raise ValidationError(
+                            "start", "the first message of a stream must be start"
+                        )
+                    detok = self._start(tokenizer, request.start)
+                    continue
+                if kind != "tokens":
+                    raise ValidationError("start", "only the first message may be start")
+                if finished:
+                    raise ValidationError("tokens", "the sequence already finished")
+                # Generated ids may lie past the tokenizer's vocabulary (a model's padding
+                # rows); they decode to no text. Only negative ids are malformed.
+                ids = _check_ids(request.tokens.token_ids, _MAX_TOKEN_ID, "tokens.token_ids")
+                text = detok.add_tokens(ids)
+                if request.tokens.finished:
+                    finished = True
+                    text += detok.finish()
+                LATENCY.labels("detokenize").observe(time.perf_counter() - start)
+                yield tokenizer_pb2.DetokenizeResponse(
+                    text=text, stop_string=detok.stop_reason or ""
+                )
+        except (ValidationError, Unavailable) as exc:
+            await abort_with(context, exc)
+
+    def _start(
+        self, tokenizer: Any, start: tokenizer_pb2.DetokenizeStart
+    ) -> IncrementalDetokenizer:
+        prompt_ids = _check_ids(start.prompt_token_ids, self._vocab_size, "start.prompt_token_ids")
+        try:
+            return IncrementalDetokenizer(
+                tokenizer,
+                prompt_ids,
+                skip_special_tokens=not start.keep_special_tokens,
+                stop=list(start.stop),
+                include_stop_str_in_output=start.include_stop_str_in_output,
+            )
+        except ValidationError as exc:
+            raise _renamed(exc, f"start.{exc.field}") from None
+
+
+async def start(config: TokenizerConfig, *, tokenizer: Any | None = None) -> Service:
+    """Start the service and load the tokenizer (or use `tokenizer`); returns it SERVING.
+
+    The port is bound and health answers NOT_SERVING while the tokenizer loads. On a load
+    failure the server is stopped and ModelLoadError propagates.
+    """
+    svc = Service("tokenizer", config.host, config.port, metrics_port=config.metrics_port)
+    servicer = TokenizerServicer()
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, svc.server)
+    await svc.start([SERVICE_NAME])
+    await _load_into(svc, servicer, config, tokenizer)
+    return svc
+
+
+async def _load_into(
+    svc: Service, servicer: TokenizerServicer, config: TokenizerConfig, tokenizer: Any | None
+) -> None:
+    try:
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+    except Exception:
+        await svc.server.stop(0)
+        raise
+    servicer.set_tokenizer(tokenizer)
+    await svc.set_serving()
+    logger.info("tokenizer serving on %s (vocabulary %d)", svc.address, len(tokenizer))
+
+
+async def serve(config: TokenizerConfig, *, tokenizer: Any | None = None) -> None:
+    """Run the service until SIGTERM/SIGINT, then drain and return (the process entry point).
+
+    Signals are handled from the start, so a SIGTERM during a slow load also ends cleanly.
+    """
+    svc = Service("tokenizer", config.host, config.port, metrics_port=config.metrics_port)
+    servicer = TokenizerServicer()
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, svc.server)
+    svc.install_signal_handlers()
+    await svc.start([SERVICE_NAME])
+    loading = asyncio.create_task(_load_into(svc, servicer, config, tokenizer))
+    stopping = asyncio.create_task(svc.wait_for_termination())
+    done, _ = await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading in done and loading.exception() is not None:
+        stopping.cancel()
+        raise loading.exception()  # type: ignore[misc]
+    if stopping in done:
+        loading.cancel()
+    await stopping

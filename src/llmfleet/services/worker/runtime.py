@@ -1,0 +1,440 @@
+"""A worker's runtime: its engine core and everything around it, from start to drain.
+
+    runtime.start()      # load the model, start the engine loop and sockets, register
+    runtime.stop()       # NOT_SERVING, deregister, drain within the grace, close everything
+
+Threads of control (all on one asyncio loop, except the torch work: every engine op and step
+runs on the one `EngineThread`, see loop.py):
+  - RPC handlers (server.py) convert protobuf at the boundary and queue engine work on the
+    `EngineLoop`;
+  - the engine loop steps; right after each step the engine thread itself pushes the new tokens
+    (`TokenBatch`es); after each iteration the event loop publishes KV events, completes
+    prefill waiters and starts kvstore puts;
+  - decode side (decode_side.py): the `KVReceiver` writes pushed blocks into lease
+    reservations (via the loop), a sweeper expires leases and frees their blocks;
+  - prefill side (prefill_side.py): a prefill waits for its first output, then pushes its KV;
+  - the `Registrar` registers and heartbeats with the scheduler;
+  - kvstore (kvstore_sync.py): before admission a longer prefix held by the kvstore is fetched
+    and imported into the prefix cache; once a prompt is computed its full blocks the kvstore
+    lacked are put.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2
+from opentelemetry import trace
+
+from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.models.loader import LoadedModel, load_model
+from llmfleet.services.worker.decode_side import DecodeSide
+from llmfleet.services.worker.kv_transfer import KVPusher
+from llmfleet.services.worker.kvstore_client import KVStoreClient
+from llmfleet.services.worker.kvstore_sync import KVStoreSync
+from llmfleet.services.worker.loop import EngineLoop, EngineThread
+from llmfleet.services.worker.outputs import (
+    GENERATION_TOKENS,
+    KV_USAGE,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    PROMPT_TOKENS,
+    ReplySinks,
+)
+from llmfleet.services.worker.prefill_side import PrefillSide
+from llmfleet.services.worker.registration import Registrar
+from llmfleet.services.worker.request_spans import RequestSpans
+from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.core.config import EngineConfig, WorkerConfig
+from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.convert import model_info_to_pb
+from llmfleet.shared.wire.kv_events import KVEventPublisher
+from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from llmfleet.shared.wire.service import FailedPrecondition, Service
+from llmfleet.shared.wire.transport import bind, dtype_name, kv_layout_key
+from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "llmfleet.v1.Worker"
+ROLE_TO_PB = {
+    "unified": common_pb2.WORKER_ROLE_UNIFIED,
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+}
+
+
+@dataclass
+class WorkerCounters:
+    prefix_queries_reported: int = 0  # already added to the Prometheus counters
+    prefix_hits_reported: int = 0
+
+
+class WorkerRuntime:
+    """One worker's engine, sockets and peers, from start to drain (the servicer is server.py)."""
+
+    def __init__(
+        self,
+        worker_config: WorkerConfig,
+        engine_config: EngineConfig,
+        loaded_model: LoadedModel | None = None,
+        *,
+        grace_s: float = 10.0,
+    ) -> None:
+        self.wc = worker_config
+        self.ec = engine_config
+        self._loaded = loaded_model
+        self.grace_s = grace_s
+        self.service = Service(
+            "worker",
+            worker_config.host,
+            worker_config.port,
+            metrics_port=worker_config.metrics_port,
+        )
+        self.worker_id = worker_config.worker_id or ""
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.engine_thread = EngineThread()
+        self.counters = WorkerCounters()
+        self.kv_endpoint = ""
+        self.kv_events_endpoint = ""
+        self._ctx = zmq.asyncio.Context()
+        self._routes: dict[str, str] = {}  # request id -> reply endpoint
+        self._bg: list[asyncio.Task[None]] = []
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+        self.publisher: KVEventPublisher | None = None
+        self.sinks: ReplySinks | None = None
+        self.decode: DecodeSide | None = None  # decode and unified roles
+        self.prefill: PrefillSide | None = None  # prefill and unified roles
+        self.kvstore: KVStoreSync | None = None  # with a kvstore configured
+        self.registrar: Registrar | None = None
+        self.request_spans = RequestSpans(self.worker_id)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    @property
+    def role(self) -> str:
+        return self.wc.role
+
+    @property
+    def pusher(self) -> KVPusher | None:
+        return self.prefill.pusher if self.prefill is not None else None
+
+    async def start(self) -> None:
+        await self.service.start([SERVICE_NAME])  # NOT_SERVING while the model loads
+        if not self.worker_id:
+            self.worker_id = f"worker-{self.address}-{os.getpid()}"
+        self.request_spans.worker_id = self.worker_id
+        loaded = self._loaded
+        thread = self.engine_thread  # every torch op of this process runs there (loop.py)
+        if loaded is None:
+            ec = self.ec
+            loaded = await thread.run(
+                load_model,
+                ec.model,
+                dtype=ec.torch_dtype,
+                device=ec.device,
+                quantization=ec.quantization,
+            )
+        self._loaded = None  # the engine owns it now
+        engine = self.engine = await thread.run(LLMEngine, self.ec, loaded)
+        engine.drain_kv_events()  # turns event recording on
+        self.model_name = engine.info.model_id
+        L, _, bs, H, D = engine.kv_block_shape
+        dtype = dtype_name(engine.kv_dtype)
+        self.kv_layout = dataplane_pb2.KVLayout(
+            num_layers=L, block_size=bs, num_kv_heads=H, head_dim=D, dtype=dtype
+        )
+        self.kv_layout_key = kv_layout_key(engine.info.model_id, L, bs, H, D, dtype)
+
+        self.publisher = KVEventPublisher(self._ctx, self.wc.host, self.worker_id)
+        self.kv_events_endpoint = self.publisher.endpoint
+        self.sinks = ReplySinks(self._ctx, self.worker_id)
+        yield_s = self.wc.first_token_yield_ms / 1e3 if engine.device.type == "cpu" else 0.0
+        self.loop = EngineLoop(
+            engine, self._on_iteration, thread, first_token_yield_s=yield_s, on_step=self._push
+        )
+        self.loop.start()
+        if self.role in ("prefill", "unified"):
+            self.prefill = PrefillSide(
+                self._ctx,
+                self._engine_loop,
+                self._admit_prefill,
+                self.kv_layout,
+                kv_push_timeout_ms=self.wc.kv_push_timeout_ms,
+            )
+        if self.role in ("decode", "unified"):
+            sock, self.kv_endpoint = bind(self._ctx, zmq.ROUTER, self.wc.host)
+            self.decode = DecodeSide(
+                self._engine_loop,
+                self.kv_layout,
+                sock,
+                self.kv_endpoint,
+                self._routes,
+                self.request_spans,
+                lease_ttl_ms=self.wc.lease_ttl_ms,
+            )
+            self.decode.start()
+        if self.wc.kvstore_address and self.wc.kvstore_endpoint:
+            client = KVStoreClient(self.wc.kvstore_address, self.wc.kvstore_endpoint, ctx=self._ctx)
+            self.kvstore = KVStoreSync(
+                client,
+                engine,
+                self.loop,
+                self.kv_layout_key,
+                ctx=self._ctx,
+                events_endpoint=self.wc.kvstore_events_endpoint,
+                put_delay_s=self.wc.kvstore_put_delay_ms / 1000,
+            )
+            await self.kvstore.start()
+        if self.wc.scheduler_address:
+            self.registrar = Registrar(
+                self.wc.scheduler_address, self._register_request, self._load_report
+            )
+            self.registrar.start()
+            self._bg.append(asyncio.create_task(self._serve_when_registered()))
+        else:
+            await self.service.set_serving()
+        logger.info(
+            "worker %s (%s) serving %s on %s kv_endpoint=%s kv_events=%s",
+            self.worker_id,
+            self.role,
+            self.model_name,
+            self.address,
+            self.kv_endpoint or "-",
+            self.kv_events_endpoint,
+        )
+
+    async def _serve_when_registered(self) -> None:
+        if self.registrar is not None:
+            await self.registrar.registered.wait()
+            if not self._stopped:
+                await self.service.set_serving()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop_requested.set)
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stop_requested.wait()
+        await self.stop()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, deregister, let in-flight requests finish within the grace period
+        (abort the rest), then close the server and every socket."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.grace_s if grace_s is None else grace_s
+        for name in ["", SERVICE_NAME]:
+            await self.service.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in self._bg:
+            task.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        if self.decode is not None:
+            await self.decode.stop_sweeping()
+        if self.registrar is not None:
+            await self.registrar.close()
+        if self.loop is not None and self.engine is not None:
+            engine = self.engine
+            try:
+                await asyncio.wait_for(self.loop.wait_idle(), grace)
+            except TimeoutError:
+                logger.warning("drain: aborting requests still running after %.1f s", grace)
+            if self.decode is not None:
+                self.decode.release_all(self.loop, engine)
+            await self.loop.call(lambda: [engine.abort(r) for r in engine.request_ids()])
+            try:  # let the abort outputs reach their requesters
+                await asyncio.wait_for(self.loop.wait_idle(), 1.0)
+            except TimeoutError:
+                pass
+        self.service.grace_s = 0.5
+        self.service.request_stop()
+        await self.service.wait_for_termination()
+        if self.loop is not None:
+            await self.loop.stop()
+        if self.sinks is not None:  # on the engine thread, after any iteration still running
+            try:
+                await asyncio.wait_for(self.engine_thread.run(self.sinks.close), 5.0)
+            except TimeoutError:  # a wedged step: close here (unclosed sockets block destroy)
+                logger.warning("engine thread busy at stop; closing reply sockets from the loop")
+                self.sinks.close()
+        self.engine_thread.shutdown()
+        self.request_spans.close()
+        if self.kvstore is not None:
+            await self.kvstore.close()
+        if self.decode is not None:
+            await self.decode.close()
+        if self.prefill is not None:
+            await self.prefill.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        self._ctx.destroy(linger=0)
+        logger.info("worker %s stopped", self.worker_id)
+
+    # ---- engine loop callbacks ---------------------------------------------------------------
+    def _push(self, step: int, outputs: list[RequestOutput]) -> None:
+        """On the engine thread, right after the step: the new tokens to their requesters.
+        Routes are only touched between steps (engine ops, `_on_iteration`), never during."""
+        if self.sinks is not None:
+            self.sinks.send(step, outputs, self._routes)
+
+    async def _on_iteration(self, step: int, outputs: list[RequestOutput]) -> None:
+        engine = self.engine
+        if engine is None or self.publisher is None:
+            return
+        num_generated = 0
+        spans = self.request_spans if len(self.request_spans) else None  # tracing follows some
+        started_ns = self.loop.step_started_ns if self.loop is not None else 0
+        if spans is not None:
+            spans.on_step(engine.scheduler.running, started_ns)
+        for out in outputs:
+            num_generated += len(out.new_token_ids)
+            if spans is not None:
+                spans.on_output(out, started_ns)
+            if self.kvstore is not None:
+                self.kvstore.on_output(out)
+            if self.prefill is not None:
+                self.prefill.take(out)  # a prefill-only request's output (it has no route)
+        # Read everything needed from the engine before the first await (a step may follow).
+        stored, removed = engine.drain_kv_events()
+        done = [o.request_id for o in outputs if o.finished]  # pushed already (_push)
+        self._update_metrics(num_generated)
+        for rid in done:
+            if not engine.has_request(rid):
+                self._routes.pop(rid, None)
+        await self.publisher.publish(stored, removed)
+
+    def _update_metrics(self, num_generated: int) -> None:
+        engine, name, c = self.engine, self.model_name, self.counters
+        if engine is None:
+            return
+        NUM_REQUESTS_RUNNING.labels(name).set(engine.num_running)
+        NUM_REQUESTS_WAITING.labels(name).set(engine.num_waiting)
+        KV_USAGE.labels(name).set(engine.block_manager.usage)
+        if num_generated:
+            GENERATION_TOKENS.labels(name).inc(num_generated)
+        stats = engine.block_manager.stats
+        if stats.num_queries > c.prefix_queries_reported:
+            PREFIX_QUERIES.labels(name).inc(stats.num_queries - c.prefix_queries_reported)
+            c.prefix_queries_reported = stats.num_queries
+        if stats.num_hits > c.prefix_hits_reported:
+            PREFIX_HITS.labels(name).inc(stats.num_hits - c.prefix_hits_reported)
+            c.prefix_hits_reported = stats.num_hits
+
+    # ---- admission ---------------------------------------------------------------------------
+    async def _admit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+        *,
+        reply_endpoint: str | None,
+        prefill_only: bool,
+    ) -> int:
+        """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached."""
+        engine, loop = self._engine_loop()
+        hashes = hash_block_chain(
+            prompt, self.ec.block_size, HashContext(engine.info.model_id, cache_salt)
+        )
+        kvstore = self.kvstore
+        rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
+
+        def admit(num_remote: int | None) -> int:
+            num_cached = engine.num_cached_prefix_blocks(hashes)
+            engine.add_request(
+                request_id, prompt, params, cache_salt=cache_salt, prefill_only=prefill_only
+            )
+            if reply_endpoint:
+                self._routes[request_id] = reply_endpoint
+            if kvstore is not None and num_remote is not None and num_remote < len(hashes):
+                kvstore.expect_put(request_id, hashes[num_remote:], rpc_span)
+            self.request_spans.admitted(
+                request_id, rpc_span, len(prompt), params.n, prefill_only=prefill_only
+            )
+            return num_cached
+
+        if kvstore is None or kvstore.view_holds_none(hashes):
+            # Nothing to fetch (no kvstore, or its view holds none of the chain): validation
+            # and admission are one engine op, one hop on the TTFT path.
+            # (`add_request` validates.)
+            num_cached_blocks = await loop.call(admit, None if kvstore is None else 0)
+        else:
+            valid = loop.submit(engine.validate_request, request_id, prompt, params)
+            # The kvstore fetch starts while the request is validated (both are on the TTFT
+            # path); an invalid request cancels it.
+            fetch = asyncio.create_task(kvstore.fetch_prefix(hashes))
+            try:
+                await valid
+            except BaseException:
+                fetch.cancel()
+                raise
+            num_cached_blocks = await loop.call(admit, await fetch)
+        PROMPT_TOKENS.labels(self.model_name).inc(len(prompt))
+        tokens = num_cached_blocks * self.ec.block_size
+        return max(0, tokens - self.ec.block_size) if tokens >= len(prompt) else tokens
+
+    async def _admit_prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str
+    ) -> int:
+        return await self._admit(
+            request_id, prompt, params, cache_salt, reply_endpoint=None, prefill_only=True
+        )
+
+    def _engine_loop(self) -> tuple[LLMEngine, EngineLoop]:
+        if self.engine is None or self.loop is None or self._stopped:
+            raise FailedPrecondition("the worker is not serving")
+        return self.engine, self.loop
+
+    def _require_role(self, rpc: str, *roles: str) -> None:
+        if self.role not in roles:
+            raise FailedPrecondition(
+                f"{rpc} needs a {' or '.join(roles)} worker; this one is {self.role}"
+            )
+
+    # ---- the scheduler's view of this worker ------------------------------------------------
+    def _load_report(self) -> common_pb2.LoadReport:
+        engine = self.engine
+        if engine is None:
+            return common_pb2.LoadReport()
+        return common_pb2.LoadReport(
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            num_free_blocks=engine.num_free_blocks,
+            num_total_blocks=engine.block_manager.num_blocks,
+            num_active_leases=len(self.decode.leases) if self.decode is not None else 0,
+        )
+
+    def _register_request(self) -> registry_pb2.RegisterWorkerRequest:
+        engine = self.engine
+        if engine is None:
+            raise FailedPrecondition("the worker is not serving")
+        return registry_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id,
+            role=ROLE_TO_PB[self.role],
+            address=self.address,
+            kv_events_endpoint=self.kv_events_endpoint,
+            model=model_info_to_pb(
+                engine.info,
+                max_model_len=engine.max_model_len,
+                max_n=self.ec.max_n,
+                max_logprobs=self.ec.max_logprobs,
+                block_size=self.ec.block_size,
+            ),
+            load=self._load_report(),
+        )

@@ -1,0 +1,116 @@
+"""Protobuf <-> core dataclass conversion, in one place (the servicers' `from_pb`/`to_pb`).
+
+Core code never sees `*_pb2`; servicers call these at the boundary. Validation errors name the
+field by its path in the request message (e.g. `sampling.temperature`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmfleet.engine.sampler import TokenLogprobs
+from llmfleet.models.loader import ModelInfo
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.v1 import common_pb2
+
+_OPTIONAL_SAMPLING = (
+    "n", "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+)  # fmt: skip
+
+FINISH_TO_PB = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
+    kwargs: dict[str, object] = {
+        name: getattr(pb, name) for name in _OPTIONAL_SAMPLING if pb.HasField(name)
+    }
+    try:
+        return SamplingParams(
+            stop=tuple(pb.stop),
+            stop_token_ids=tuple(pb.stop_token_ids),
+            ignore_eos=pb.ignore_eos,
+            include_stop_str_in_output=pb.include_stop_str_in_output,
+            skip_special_tokens=not pb.keep_special_tokens,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    except ValidationError as e:
+        raise ValidationError(f"{prefix}.{e.field}", e.message) from None
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        n=p.n,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        keep_special_tokens=not p.skip_special_tokens,
+    )
+    if p.seed is not None:
+        pb.seed = p.seed
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    return pb
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.PositionLogprobs:
+    return common_pb2.PositionLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob),
+        rank=lp.rank,
+        top=[
+            common_pb2.TokenLogprob(token_id=t, logprob=v)
+            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        ],
+    )
+
+
+def logprobs_from_pb(pb: common_pb2.PositionLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=pb.sampled.token_id,
+        logprob=pb.sampled.logprob,
+        rank=pb.rank,
+        top_token_ids=[t.token_id for t in pb.top],
+        top_logprobs=[t.logprob for t in pb.top],
+    )
+
+
+def model_info_to_pb(
+    info: ModelInfo, *, max_model_len: int, max_n: int, max_logprobs: int, block_size: int
+) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=info.model_id,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=list(info.eos_token_ids),
+        max_n=max_n,
+        max_logprobs=max_logprobs,
+        block_size=block_size,
+    )
+
+
+def token_ids_from_pb(ids: Sequence[int], vocab_size: int, field: str) -> list[int]:
+    """Check ids are inside the vocabulary; the error names `field` and the position."""
+    out = list(ids)
+    for i, t in enumerate(out):
+        if not 0 <= t < vocab_size:
+            raise ValidationError(
+                field, f"token id {t} at position {i} is outside the vocabulary [0, {vocab_size})"
+            )
+    return out

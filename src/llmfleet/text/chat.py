@@ -1,0 +1,99 @@
+"""Prompt construction: chat messages through the model's own chat template, and raw prompts.
+
+Special tokens are added once. Chat templates usually write BOS themselves (`{{ bos_token }}`)
+and some do not; a raw prompt has none. Both paths encode the text without special tokens and
+then put in front the prefix the tokenizer's own `add_special_tokens=True` would add (BOS for
+Llama-style tokenizers, nothing for GPT-2-style ones), unless the text already starts with it.
+Suffixes a tokenizer may add (EOS) are left out: a prompt is continued, not ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+
+from llmfleet.shared.core.errors import ValidationError
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def validate_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """Check roles and contents; returns plain dicts as the chat template expects them."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValidationError("messages", "must be a list of messages")
+    if not messages:
+        raise ValidationError("messages", "must not be empty")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValidationError(f"messages[{i}]", "must be an object with role and content")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ValidationError(
+                f"messages[{i}].role", f"must be one of {sorted(ROLES)}, got {role!r}"
+            )
+        if not isinstance(message.get("content"), str):
+            raise ValidationError(f"messages[{i}].content", "must be a string")
+        checked.append(dict(message))
+    return checked
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+) -> str:
+    """The prompt text the model's chat template makes of `messages`."""
+    checked = validate_messages(messages)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValidationError("messages", "model has no chat template")
+    try:
+        return tokenizer.apply_chat_template(
+            checked, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except jinja2.TemplateError as e:
+        # Templates reject conversations they cannot render with raise_exception(...), e.g.
+        # "roles must alternate user/assistant": that is a bad request, not a server fault.
+        raise ValidationError("messages", f"rejected by the chat template: {e}") from e
+
+
+def tokenize_chat(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of `render_chat(...)`, with the tokenizer's BOS exactly once if it uses one."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    return encode_rendered(tokenizer, text)
+
+
+def encode_rendered(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered chat prompt, with the tokenizer's BOS exactly once."""
+    return _with_special_prefix(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokenize_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a raw prompt, with the tokenizer's BOS exactly once if it uses one."""
+    if not isinstance(text, str):
+        raise ValidationError("prompt", "must be a string")
+    if not text:
+        raise ValidationError("prompt", "must not be empty")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ValidationError("prompt", "tokenizes to no tokens")
+    return _with_special_prefix(tokenizer, ids)
+
+
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The ids `encode(..., add_special_tokens=True)` puts in front of the text (often [BOS])."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def _with_special_prefix(tokenizer: Any, ids: list[int]) -> list[int]:
+    prefix = special_prefix(tokenizer)
+    if prefix and ids[: len(prefix)] != prefix:
+        return prefix + ids
+    return ids
