@@ -31,7 +31,7 @@ proto: $(STAMP)
 	rm -f src/llmfleet/v1/*_pb2*.py*
 	$(BIN)/python proto/generate.py proto src
 
-# The whole fleet on this machine (kvstore, tokenizer, scheduler, a worker) with the bundled
+# The whole fleet on this machine (kvstore, tokenizer, router, a worker) with the bundled
 # model on CPU, and a chat with it on this terminal; the fleet stops when the chat ends.
 # `llmfleet up` alone keeps serving for other clients (`llmfleet generate`, `llmfleet chat`).
 run: $(STAMP)

@@ -5,7 +5,7 @@
 
 One run measures, on the bundled SmolLM2 (float32, CPU), sequential single requests (low
 load): through the in-process engine (`LLM.stream`) and through a real aggregated fleet on
-loopback (kvstore, tokenizer, scheduler, one unified worker; gRPC streaming client), the two
+loopback (kvstore, tokenizer, router, one unified worker; gRPC streaming client), the two
 alternating request by request. Tokens are timed as they arrive; ITL = (last token time - first
 token time) / (tokens - 1). Reported: each side's medians, and the medians of the per-pair
 differences (TTFT) and ratios (ITL), which cancel the machine's drift.

@@ -3,7 +3,7 @@
 It accepts every service's flags, serves only gRPC health (through the real `Service` shell:
 NOT_SERVING, then SERVING, drain on SIGTERM) and records what happened as JSON lines in the
 file named by $FAKEFLEET_LOG. Its name is its `--worker-id`, else the kind its flags imply
-(`--mode`: scheduler, `--data-port`: kvstore, otherwise tokenizer).
+(`--mode`: router, `--data-port`: kvstore, otherwise tokenizer).
 $FAKEFLEET_FAIL=<name>: that child prints a message and exits with status 3 at once.
 $FAKEFLEET_HANG=<name>: that child never reports SERVING.
 """
@@ -47,7 +47,7 @@ def main() -> int:
     args, _ = p.parse_known_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     name = args.worker_id or (
-        "scheduler" if args.mode else "kvstore" if args.data_port else "tokenizer"
+        "router" if args.mode else "kvstore" if args.data_port else "tokenizer"
     )
     if os.environ.get("FAKEFLEET_FAIL") == name:
         print(f"fake failure in {name}: cannot load anything", file=sys.stderr)

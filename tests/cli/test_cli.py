@@ -3,7 +3,7 @@
 The fake server (grpc.aio on 127.0.0.1:0, in a thread of this process) answers every prompt
 with completions "reply I to <prompt>", streamed in three pieces per completion, interleaved
 with the highest index first so completions finish out of order. A prompt containing "bad" is
-rejected with INVALID_ARGUMENT and a message naming a field, as the scheduler does.
+rejected with INVALID_ARGUMENT and a message naming a field, as the router does.
 """
 
 from __future__ import annotations

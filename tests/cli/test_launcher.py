@@ -3,7 +3,7 @@
 The stand-ins run as real child processes on loopback and serve gRPC health through the real
 `Service` shell, so these tests exercise what the launcher itself does: ports and flags passed
 to each child, start order and health waits, failure reports, and the ordered shutdown. One test
-uses the real tokenizer service. The end-to-end fleet (real scheduler and workers) is tested
+uses the real tokenizer service. The end-to-end fleet (real router and workers) is tested
 where those services live.
 """
 
@@ -29,7 +29,7 @@ from llmfleet.shared.core.errors import ValidationError
 pytestmark = pytest.mark.timeout(120)
 
 HERE = Path(__file__).parent
-FAKE = {kind: "fake_service" for kind in ("kvstore", "tokenizer", "scheduler", "worker")}
+FAKE = {kind: "fake_service" for kind in ("kvstore", "tokenizer", "router", "worker")}
 
 
 def _spec(tmp_path: Path, **kwargs: Any) -> FleetSpec:
@@ -72,8 +72,8 @@ def _serving(address: str) -> bool:
 def test_aggregated_fleet_starts_in_order_wires_addresses_and_stops_in_reverse(tmp_path):
     with Fleet(_spec(tmp_path, workers=2, routing_policy="least_load")) as fleet:
         names = [c.name for c in fleet.children]
-        assert names == ["kvstore", "tokenizer", "scheduler", "worker-0", "worker-1"]
-        assert fleet.endpoint == fleet.scheduler_address
+        assert names == ["kvstore", "tokenizer", "router", "worker-0", "worker-1"]
+        assert fleet.endpoint == fleet.router_address
         assert len(set(c.address for c in fleet.children)) == 5
         assert all(_serving(c.address) for c in fleet.children)
         assert fleet.worker_addresses == [
@@ -82,17 +82,17 @@ def test_aggregated_fleet_starts_in_order_wires_addresses_and_stops_in_reverse(t
         ]
         events = _events(tmp_path)
     starts = [e["name"] for e in events if e["event"] == "start"]
-    assert set(starts[:2]) == {"kvstore", "tokenizer"} and starts[2] == "scheduler"
+    assert set(starts[:2]) == {"kvstore", "tokenizer"} and starts[2] == "router"
     assert set(starts[3:]) == {"worker-0", "worker-1"}
 
-    sched = _argv(events, "scheduler")
-    assert _flag(sched, "--tokenizer") == fleet.tokenizer_address
-    assert _flag(sched, "--mode") == "aggregated"
-    assert _flag(sched, "--routing-policy") == "least_load"
-    assert f"{_flag(sched, '--host')}:{_flag(sched, '--port')}" == fleet.endpoint
+    router = _argv(events, "router")
+    assert _flag(router, "--tokenizer") == fleet.tokenizer_address
+    assert _flag(router, "--mode") == "aggregated"
+    assert _flag(router, "--routing-policy") == "least_load"
+    assert f"{_flag(router, '--host')}:{_flag(router, '--port')}" == fleet.endpoint
     worker = _argv(events, "worker-1")
     assert _flag(worker, "--role") == "unified"
-    assert _flag(worker, "--scheduler") == fleet.endpoint
+    assert _flag(worker, "--router") == fleet.endpoint
     assert _flag(worker, "--kvstore") == fleet.kvstore_address
     kv = _argv(events, "kvstore")
     assert _flag(worker, "--kvstore-endpoint") == f"tcp://127.0.0.1:{_flag(kv, '--data-port')}"
@@ -101,7 +101,7 @@ def test_aggregated_fleet_starts_in_order_wires_addresses_and_stops_in_reverse(t
 
     stops = [e["name"] for e in _events(tmp_path) if e["event"] == "stop"]
     assert set(stops[:2]) == {"worker-0", "worker-1"}
-    assert stops[2:] == ["scheduler", "tokenizer", "kvstore"]
+    assert stops[2:] == ["router", "tokenizer", "kvstore"]
     assert set(fleet.exit_codes().values()) == {0}
 
 
@@ -115,7 +115,7 @@ def test_disaggregated_fleet_without_kvstore(tmp_path):
         ]
         assert fleet.kvstore_address is None
         events = _events(tmp_path)
-    assert _flag(_argv(events, "scheduler"), "--mode") == "disaggregated"
+    assert _flag(_argv(events, "router"), "--mode") == "disaggregated"
     decode = _argv(events, "decode-1")
     assert _flag(decode, "--role") == "decode" and "--kvstore" not in decode
     assert "kvstore" not in [e["name"] for e in events]
@@ -132,7 +132,7 @@ def test_child_that_exits_early_fails_the_start_naming_it_with_its_output(tmp_pa
     # Everything already started was stopped again.
     assert all(code is not None for code in fleet.exit_codes().values())
     stopped = {e["name"] for e in _events(tmp_path) if e["event"] == "stop"}
-    assert stopped == {"kvstore", "tokenizer", "scheduler"}
+    assert stopped == {"kvstore", "tokenizer", "router"}
 
 
 def test_child_that_never_serves_times_out_naming_it(tmp_path):
@@ -183,7 +183,7 @@ def test_run_prints_the_endpoint_and_stops_everything_on_sigint(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err
     assert out == ""
-    assert "[scheduler]" in err  # children's logs are echoed with their names
+    assert "[router]" in err  # children's logs are echoed with their names
     events = _events(tmp_path)
     started = {e["name"] for e in events if e["event"] == "start"}
     stopped = [e["name"] for e in events if e["event"] == "stop"]
@@ -203,10 +203,10 @@ def _spec_kwargs(spec: FleetSpec) -> dict[str, Any]:
 def test_run_exits_1_when_the_fleet_does_not_start(tmp_path, capsys):
     from llmfleet.cli.launcher import run
 
-    assert run(_spec(tmp_path, env={"FAKEFLEET_FAIL": "scheduler"})) == 1
+    assert run(_spec(tmp_path, env={"FAKEFLEET_FAIL": "router"})) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "the fleet did not start: scheduler exited with status 3" in captured.err
+    assert "the fleet did not start: router exited with status 3" in captured.err
 
 
 @pytest.mark.parametrize(
@@ -232,4 +232,4 @@ def test_spec_validation_names_the_field():
     with pytest.raises(ValidationError, match="^decode_workers"):
         FleetSpec(disaggregated=True, decode_workers=0)
     with pytest.raises(ValidationError, match="^extra_args"):
-        FleetSpec(extra_args={"router": ["--x"]})
+        FleetSpec(extra_args={"scheduler": ["--x"]})

@@ -1,4 +1,4 @@
-"""A real aggregated fleet on loopback: kvstore, tokenizer, scheduler, two unified workers."""
+"""A real aggregated fleet on loopback: kvstore, tokenizer, router, two unified workers."""
 
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
 
 def test_malformed_frames_on_every_data_plane_socket_are_survived(client, fleet):
     targets = {
-        "scheduler replies": (
-            logged_endpoint(fleet.child("scheduler").log_path, "replies on"),
+        "router replies": (
+            logged_endpoint(fleet.child("router").log_path, "replies on"),
             zmq.PUSH,
         ),
         "kvstore data": (

@@ -39,7 +39,7 @@ def fleet(model):
         model=model,
         extra_args={
             "worker": WORKER_ARGS,
-            "scheduler": ["--short-prompt-threshold", str(SHORT), "--max-retries", "1"],
+            "router": ["--short-prompt-threshold", str(SHORT), "--max-retries", "1"],
         },
         startup_timeout_s=240,
     )

@@ -16,7 +16,7 @@ from gateway_helpers import llmfleet_up, wait_workers_idle
 
 from llmfleet.client.generation import GenerationClient
 
-MAX_QUEUED = 3  # the scheduler's admission limit in this fleet: the 4th concurrent request is 429
+MAX_QUEUED = 3  # the router's admission limit in this fleet: the 4th concurrent request is 429
 LONG = 32000  # tokens: minutes of decoding on a CPU, far longer than any wait below
 
 
@@ -24,7 +24,7 @@ LONG = 32000  # tokens: minutes of decoding on a CPU, far longer than any wait b
 def up(make_checkpoint_module, tmp_path_factory):
     model = str(make_checkpoint_module("llama", max_position_embeddings=32768))
     env = {
-        "LLMFLEET_SCHEDULER_MAX_QUEUED_REQUESTS": str(MAX_QUEUED),
+        "LLMFLEET_ROUTER_MAX_QUEUED_REQUESTS": str(MAX_QUEUED),
         "LLMFLEET_NUM_KV_BLOCKS": "2100",  # one LONG request fits,
     }
     with llmfleet_up(model, tmp_path_factory.mktemp("logs"), env) as fleet:

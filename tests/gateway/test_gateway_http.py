@@ -1,4 +1,4 @@
-"""The gateway's HTTP surface without a fleet: its scheduler address answers nothing, so every
+"""The gateway's HTTP surface without a fleet: its router address answers nothing, so every
 generation is a 503, while malformed bodies, unknown routes, health and metrics are answered by
 the gateway itself."""
 
@@ -22,7 +22,7 @@ from llmfleet.shared.core.config import GatewayConfig
 @pytest.fixture(scope="module")
 def base_url():
     [nobody] = pick_free_ports(1)
-    config = GatewayConfig(port=0, scheduler_address=f"127.0.0.1:{nobody}")
+    config = GatewayConfig(port=0, router_address=f"127.0.0.1:{nobody}")
     with gateway_in_thread(config, make_tokenizer()) as url:
         yield url
 
@@ -90,7 +90,7 @@ def test_metrics_count_requests_by_route_and_status(base_url, oai):
 def test_served_model_name_renames_the_model():
     info = ModelInfo("org/model", "LlamaForCausalLM", 260, 2048, [256], 16, 20, 16)
 
-    class Scheduler:  # GetModelInfo only
+    class Router:  # GetModelInfo only
         async def model_info(self, timeout=None):
             return info
 
@@ -100,7 +100,7 @@ def test_served_model_name_renames_the_model():
     async def check():
         up = Upstream(GatewayConfig(served_model_name="alias"), make_tokenizer())
         await up.client.close()
-        up.client = Scheduler()
+        up.client = Router()
         served = await up.require("alias")
         assert (served.name, served.info.model_id) == ("alias", "org/model")
         with pytest.raises(APIError) as e:

@@ -44,7 +44,7 @@ def fleet(model, tmp_path_factory):
         model=model,
         extra_args={
             "worker": WORKER_ARGS,
-            "scheduler": ["--short-prompt-threshold", str(SHORT)],
+            "router": ["--short-prompt-threshold", str(SHORT)],
             "kvstore": ["--disk-dir", str(tmp_path_factory.mktemp("kvdisk"))],
         },
         startup_timeout_s=240,
@@ -95,7 +95,7 @@ def traffic(fleet):
     """Runs the requests once; returns (results, scrapes before, after the warm-up, at the end)."""
     client = GenerationClient(fleet.endpoint)
     # One through the OpenAI gateway, before the first scrape: its metrics exist from then on,
-    # and it counts in no delta below (the scheduler's e2e count includes it).
+    # and it counts in no delta below (the router's e2e count includes it).
     body = {"model": client.model_info().model_id, "prompt": "hello gateway", "max_tokens": 2}
     with urllib.request.urlopen(
         urllib.request.Request(
@@ -125,9 +125,9 @@ def traffic(fleet):
     )
     results.append(client.generate(token_ids=[5, 6, 7, 8, 9], **GREEDY))  # short: no lease
     results.append(client.generate("hello metrics", raw=True, **GREEDY))  # tokenized
-    # The scheduler ends a request's bookkeeping (and releases a lease, fire-and-forget) just
+    # The router ends a request's bookkeeping (and releases a lease, fire-and-forget) just
     # after the last message leaves: let that land before the final scrape.
-    wait_for(fleet, "scheduler", "vllm:e2e_request_latency_seconds_count", 2 + len(results))
+    wait_for(fleet, "router", "vllm:e2e_request_latency_seconds_count", 2 + len(results))
     [decode] = [c.name for c in fleet.workers if c.role == "decode"]
     wait_for(fleet, decode, "llmfleet:kv_leases_total", 1, state="released")
     after = scrape_all(fleet)
@@ -157,7 +157,7 @@ ENGINE_NAMES = [  # on every worker, with model_name
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
 ]
-REQUEST_NAMES = [  # on the scheduler, with model_name
+REQUEST_NAMES = [  # on the router, with model_name
     "vllm:num_requests_waiting",
     "vllm:num_requests_running",
     "vllm:request_success_total",
@@ -179,7 +179,7 @@ def test_named_metrics_are_on_their_services_with_model_name(fleet, traffic):
         assert has(after[w.name], "vllm:cache_config_info", num_gpu_blocks=str(NUM_BLOCKS))
         assert 0.0 <= total(after[w.name], "vllm:kv_cache_usage_perc") <= 1.0
     for name in REQUEST_NAMES:
-        assert has(after["scheduler"], name, model_name=model_name), name
+        assert has(after["router"], name, model_name=model_name), name
     # Idle after the traffic: nothing running or waiting anywhere.
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert all(total(s, name) == 0 for s in after.values()), name
@@ -188,7 +188,7 @@ def test_named_metrics_are_on_their_services_with_model_name(fleet, traffic):
 def test_token_counters_equal_the_usage_the_client_got(traffic):
     warm, results, before, _, after = traffic
     usages = [r.usage for r in [warm, *results]]
-    worker_names = [n for n in after if n not in ("scheduler", "tokenizer", "kvstore")]
+    worker_names = [n for n in after if n not in ("router", "tokenizer", "kvstore")]
 
     def summed(name: str) -> float:
         return sum(delta(after[w], before[w], name) for w in worker_names)
@@ -202,7 +202,7 @@ def test_token_counters_equal_the_usage_the_client_got(traffic):
 
 def test_request_counters_and_histograms_match_the_requests(traffic):
     warm, results, before, warmed, after = traffic
-    s0, s1, s = before["scheduler"], warmed["scheduler"], after["scheduler"]
+    s0, s1, s = before["router"], warmed["router"], after["router"]
     reasons = Counter(c.finish_reason for r in [warm, *results] for c in r.completions[:1])
     assert reasons == {"length": 6, "stop": 1}
     for reason, count in reasons.items():
@@ -234,12 +234,12 @@ def test_kv_transfer_leases_and_kvstore_metrics_move(fleet, traffic):
     }
     # The "stop" request ended with its first token: its lease was released, not committed.
     assert lease_states == {"reserved": 4, "committed": 3, "released": 1, "expired": 0}
-    s = after["scheduler"]
+    s = after["router"]
     assert total(s, "llmfleet:lease_outcomes_total", outcome="committed") == 3
     assert total(s, "llmfleet:lease_outcomes_total", outcome="released") == 1
     # Routing: each lease request picks a decode and a prefill worker, the others one worker
     # (three, and the gateway's before the first scrape).
-    assert delta(s, before["scheduler"], "llmfleet:routing_decisions_total") == 2 * leased + 3
+    assert delta(s, before["router"], "llmfleet:routing_decisions_total") == 2 * leased + 3
 
     kv = after["kvstore"]
     hits = total(kv, "llmfleet:kvstore_hits_total")

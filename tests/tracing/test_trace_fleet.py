@@ -204,7 +204,7 @@ def test_disaggregated_request_is_one_trace(loaded, span_exporter):
 
 
 def test_stop_string_ends_the_request_spans_on_the_worker(loaded, span_exporter):
-    """A stop string the scheduler matches ends the worker's decode span too (the engine
+    """A stop string the router matches ends the worker's decode span too (the engine
     emits no output for a stopped completion; the Cancel carries the trace)."""
     prompt = "one two three four five six"
     greedy = dict(temperature=0.0, ignore_eos=True)

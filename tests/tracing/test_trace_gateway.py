@@ -1,5 +1,5 @@
 """The gateway's span is the root of an OpenAI request's trace (or the caller's child, given a
-`traceparent` header), with the scheduler's `llm_request` under it; a stream's span ends with
+`traceparent` header), with the router's `llm_request` under it; a stream's span ends with
 the stream; health checks make no spans. Every service runs in this process."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def loaded(make_checkpoint_module):
 
 
 def test_gateway_span_roots_the_request_trace(loaded, span_exporter):
-    def http_calls(scheduler: str) -> tuple[str, str]:
-        config = GatewayConfig(port=0, scheduler_address=scheduler)
+    def http_calls(router: str) -> tuple[str, str]:
+        config = GatewayConfig(port=0, router_address=router)
         with gateway_in_thread(config, loaded.tokenizer) as url:
             assert httpx2.get(url.removesuffix("/v1") + "/health").status_code == 200
             oai = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
@@ -53,7 +53,7 @@ def test_gateway_span_roots_the_request_trace(loaded, span_exporter):
     async def body() -> tuple[str, str]:
         async with InProcessFleet(loaded, mode="aggregated", roles=("unified",)) as fleet:
             span_exporter.clear()
-            ids = await asyncio.to_thread(http_calls, fleet.scheduler.address)
+            ids = await asyncio.to_thread(http_calls, fleet.router.address)
             await until(lambda: len(trace_of(span_exporter)) == 2, what="two request traces")
             return ids
 

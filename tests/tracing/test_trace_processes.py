@@ -34,7 +34,7 @@ def test_one_trace_across_processes(make_checkpoint_module, collector):
         env=env,
         extra_args={
             "worker": ["--num-kv-blocks", "64", "--block-size", "4"],
-            "scheduler": ["--short-prompt-threshold", "8"],
+            "router": ["--short-prompt-threshold", "8"],
         },
         startup_timeout_s=240,
     )
@@ -63,7 +63,7 @@ def test_one_trace_across_processes(make_checkpoint_module, collector):
     assert len(trace) == len(spans)
     services = {svc for svc, _ in trace}
     assert services == {
-        "llmfleet-scheduler",
+        "llmfleet-router",
         "llmfleet-tokenizer",
         "llmfleet-worker",
         "llmfleet-kvstore",

@@ -19,14 +19,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmfleet.client.generation import AsyncGenerationClient
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.kvstore.server import serve as serve_kvstore
-from llmfleet.services.router.server import SchedulerServer
+from llmfleet.services.router.server import RouterServer
 from llmfleet.services.tokenizer.server import start as start_tokenizer
 from llmfleet.services.worker.server import WorkerServer
 from llmfleet.services.worker.server import serve as serve_worker
 from llmfleet.shared.core.config import (
     EngineConfig,
     KVStoreConfig,
-    SchedulerConfig,
+    RouterConfig,
     TokenizerConfig,
     WorkerConfig,
 )
@@ -36,12 +36,12 @@ ENGINE = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
 
 class InProcessFleet:
     def __init__(
-        self, loaded: LoadedModel, *, mode: str, roles: Sequence[str], **scheduler: Any
+        self, loaded: LoadedModel, *, mode: str, roles: Sequence[str], **router: Any
     ) -> None:
         self.loaded = loaded
         self.mode = mode
         self.roles = roles
-        self.scheduler_kw = scheduler
+        self.router_kw = router
         self.workers: list[WorkerServer] = []
 
     async def __aenter__(self) -> InProcessFleet:
@@ -49,34 +49,34 @@ class InProcessFleet:
         self.tokenizer = await start_tokenizer(
             TokenizerConfig(metrics_port=None), tokenizer=self.loaded.tokenizer
         )
-        config = SchedulerConfig(
+        config = RouterConfig(
             port=0,
             tokenizer_address=self.tokenizer.address,
             mode=self.mode,
             heartbeat_interval_ms=50,
             heartbeat_timeout_ms=2000,
-            **self.scheduler_kw,
+            **self.router_kw,
         )
-        self.scheduler = SchedulerServer(config, expose_metrics=False)
-        await self.scheduler.start()
+        self.router = RouterServer(config, expose_metrics=False)
+        await self.router.start()
         for i, role in enumerate(self.roles):
             wc = WorkerConfig(
                 role=role,
                 worker_id=f"{role}-{i}",
                 metrics_port=None,
-                scheduler_address=self.scheduler.address,
+                router_address=self.router.address,
                 kvstore_address=self.kvstore.address,
                 kvstore_endpoint=self.kvstore.data_endpoint,
             )
             ec = EngineConfig(**ENGINE)
             self.workers.append(await serve_worker(wc, ec, self.loaded, grace_s=1.0))
-        self.client = AsyncGenerationClient(self.scheduler.address)
-        registry = self.scheduler.scheduler.registry
+        self.client = AsyncGenerationClient(self.router.address)
+        registry = self.router.router.registry
         await until(
             lambda: (
-                self.scheduler.serving and all(registry.is_live(w.worker_id) for w in self.workers)
+                self.router.serving and all(registry.is_live(w.worker_id) for w in self.workers)
             ),
-            what="scheduler SERVING with every worker live",
+            what="router SERVING with every worker live",
         )
         return self
 
@@ -84,7 +84,7 @@ class InProcessFleet:
         await self.client.close()
         for w in self.workers:
             await w.stop(grace_s=0)
-        await self.scheduler.stop()
+        await self.router.stop()
         self.tokenizer.request_stop()
         await self.tokenizer.wait_for_termination()
         await self.kvstore.stop(0)
@@ -94,7 +94,7 @@ class InProcessFleet:
         return [
             self.kvstore.address,
             self.tokenizer.address,
-            self.scheduler.address,
+            self.router.address,
             *(w.address for w in self.workers),
         ]
 

@@ -1,4 +1,4 @@
-"""A worker among its peers: registration with a (fake) scheduler Registry, and the shared
+"""A worker among its peers: registration with a (fake) router Registry, and the shared
 kvstore (a prompt first served by worker A is found cached by worker B)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def run(coro, timeout: float = 60.0):
 
 
 class FakeRegistry(registry_pb2_grpc.RegistryServicer):
-    """Forgets the worker once after its first heartbeat, like a restarted scheduler."""
+    """Forgets the worker once after its first heartbeat, like a restarted router."""
 
     def __init__(self) -> None:
         self.registrations: list[registry_pb2.RegisterWorkerRequest] = []
@@ -78,12 +78,12 @@ def test_registers_heartbeats_and_reregisters_when_forgotten(loaded):
     async def body():
         port = free_port()
         w = await start_worker(
-            loaded, role="decode", worker_id="w-1", scheduler_address=f"127.0.0.1:{port}"
+            loaded, role="decode", worker_id="w-1", router_address=f"127.0.0.1:{port}"
         )
         registry = FakeRegistry()
         server = grpc.aio.server()
         try:
-            await asyncio.sleep(0.3)  # scheduler down: the worker keeps serving, NOT_SERVING
+            await asyncio.sleep(0.3)  # router down: the worker keeps serving, NOT_SERVING
             assert await health_status(w.address) == health_pb2.HealthCheckResponse.NOT_SERVING
             registry_pb2_grpc.add_RegistryServicer_to_server(registry, server)
             server.add_insecure_port(f"127.0.0.1:{port}")

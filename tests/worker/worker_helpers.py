@@ -71,7 +71,7 @@ class Completion:
 
 
 class Replies:
-    """A scheduler's reply endpoint: a PULL socket collecting TokenBatch outputs."""
+    """A router's reply endpoint: a PULL socket collecting TokenBatch outputs."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self.sock, self.endpoint = bind(ctx, zmq.PULL, "127.0.0.1")

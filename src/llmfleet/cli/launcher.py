@@ -4,16 +4,16 @@
         client = GenerationClient(fleet.endpoint)
         fleet.worker_addresses            # gRPC addresses, e.g. for GetWorkerStats
 
-Startup order (docs/fleet.md): kvstore and tokenizer (in parallel), then the scheduler (waited
+Startup order (docs/fleet.md): kvstore and tokenizer (in parallel), then the router (waited
 on until its health service answers: it reports SERVING only once workers registered), then
-the workers (in parallel), then the scheduler's SERVING, then (with `gateway`) the
+the workers (in parallel), then the router's SERVING, then (with `gateway`) the
 OpenAI-compatible HTTP gateway, SERVING once its `/health` answers 200. Every child is
 `sys.executable -m llmfleet.services.<name>` with explicit ports picked here. Each child's
 stdout and stderr go to `<log_dir>/<name>.log` and, when `echo` is set, to this process's stderr
 prefixed with `[name]`. A child that exits or is not SERVING in time fails the start with a
 `FleetStartError` naming it and quoting the tail of its output.
 
-Stopping sends SIGTERM tier by tier in reverse start order (gateway, workers, scheduler,
+Stopping sends SIGTERM tier by tier in reverse start order (gateway, workers, router,
 tokenizer, kvstore), waits `stop_grace_s` per tier, then SIGKILLs what is left. Children run in
 their own process group so a terminal's Ctrl-C reaches only the launcher, which then stops them
 in order.
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 MODULES = {
     "kvstore": "llmfleet.services.kvstore",
     "tokenizer": "llmfleet.services.tokenizer",
-    "scheduler": "llmfleet.services.router",
+    "router": "llmfleet.services.router",
     "worker": "llmfleet.services.worker",
     "gateway": "llmfleet.services.gateway",
 }
@@ -67,7 +67,7 @@ class FleetSpec:
     services' defaults."""
 
     host: str = "127.0.0.1"
-    port: int = 50051  # the public (scheduler) port; 0: any free port
+    port: int = 50051  # the public (router) port; 0: any free port
     disaggregated: bool = False
     workers: int = 1  # unified workers (aggregated mode)
     prefill_workers: int = 1  # disaggregated mode
@@ -80,7 +80,7 @@ class FleetSpec:
     kvstore: bool = True
     gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
     http_port: int = 8000  # the gateway's port; 0: any free port
-    # Extra flags per kind ("kvstore", "tokenizer", "scheduler", "worker", "gateway"), e.g.
+    # Extra flags per kind ("kvstore", "tokenizer", "router", "worker", "gateway"), e.g.
     # {"worker": ["--num-kv-blocks", "64"]}.
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)  # added to this process's environment
@@ -111,7 +111,7 @@ class FleetSpec:
 class Child:
     """One started service process."""
 
-    name: str  # "kvstore", "tokenizer", "scheduler", "worker-0", "prefill-0", "decode-1", ...
+    name: str  # "kvstore", "tokenizer", "router", "worker-0", "prefill-0", "decode-1", ...
     kind: str  # key of FleetSpec.modules
     address: str  # its gRPC address
     argv: list[str]
@@ -183,12 +183,12 @@ class Fleet:
 
     @property
     def endpoint(self) -> str:
-        """The public endpoint (the scheduler's `Generation` service)."""
-        return self.child("scheduler").address
+        """The public endpoint (the router's `Generation` service)."""
+        return self.child("router").address
 
     @property
-    def scheduler_address(self) -> str:
-        return self.child("scheduler").address
+    def router_address(self) -> str:
+        return self.child("router").address
 
     @property
     def http_url(self) -> str | None:
@@ -286,23 +286,23 @@ class Fleet:
         sched_args += ["--mode", "disaggregated" if spec.disaggregated else "aggregated"]
         if spec.routing_policy is not None:
             sched_args += ["--routing-policy", spec.routing_policy]
-        scheduler = make("scheduler", "scheduler", public, sched_args)
+        router = make("router", "router", public, sched_args)
 
         workers = []
         counts: dict[str, int] = collections.Counter()
         for role in roles:
             name = f"{'worker' if role == 'unified' else role}-{counts[role]}"
             counts[role] += 1
-            args = ["--role", role, "--worker-id", name, "--scheduler", scheduler.address]
+            args = ["--role", role, "--worker-id", name, "--router", router.address]
             workers.append(make(name, "worker", next(ports), [*args, *kv_args, *engine], role))
         gateways = []
         if spec.gateway:
             http = next(ports) if spec.http_port == 0 else spec.http_port
             if spec.http_port and not _port_is_free(h, http):
                 raise FleetStartError(f"port {http} on {h} is in use (choose another: --http-port)")
-            gw_args = ["--scheduler", scheduler.address, *tok_args]
+            gw_args = ["--router", router.address, *tok_args]
             gateways.append(make("gateway", "gateway", http, gw_args))
-        return [first, [scheduler], workers, gateways]
+        return [first, [router], workers, gateways]
 
     # ---- start / stop ---------------------------------------------------------------------
 
@@ -315,14 +315,14 @@ class Fleet:
         atexit.register(self.stop)
         try:
             deadline = time.monotonic() + self.spec.startup_timeout_s
-            first, [scheduler], workers, gateways = tiers
+            first, [router], workers, gateways = tiers
             self._spawn(first)
             self._wait(first, deadline, serving=True)
-            self._spawn([scheduler])
-            self._wait([scheduler], deadline, serving=False)
+            self._spawn([router])
+            self._wait([router], deadline, serving=False)
             self._spawn(workers)
             self._wait(workers, deadline, serving=True)
-            self._wait([scheduler], deadline, serving=True)
+            self._wait([router], deadline, serving=True)
             self._spawn(gateways)
             self._wait(gateways, deadline, serving=True)
         except BaseException:
@@ -396,7 +396,7 @@ class Fleet:
 
     def restart(self, name: str, *, kill: bool = True) -> Child:
         """Stop one child and start it again with the same flags and ports; returns once it is
-        SERVING (a scheduler: once workers registered with it again).
+        SERVING (a router: once workers registered with it again).
 
         `kill`: SIGKILL, as a crash would end it; otherwise SIGTERM and its drain."""
         c = self.child(name)
@@ -428,7 +428,7 @@ class Fleet:
         tiers: dict[str, list[Child]] = {
             "gateway": [],
             "worker": [],
-            "scheduler": [],
+            "router": [],
             "tokenizer": [],
             "kvstore": [],
         }

@@ -72,7 +72,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    p.add_argument("--port", type=int, default=50051, help="public (scheduler) port; 0: any")
+    p.add_argument("--port", type=int, default=50051, help="public (router) port; 0: any")
     p.add_argument("--disaggregated", action="store_true", help="prefill and decode workers")
     p.add_argument("--workers", type=int, default=None, help="unified workers (default 1)")
     p.add_argument("--prefill-workers", type=int, default=None, help="default 1")
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
         help="start a fleet on this machine; Ctrl-C stops it",
-        description="Start kvstore, tokenizer, scheduler, workers and the OpenAI-compatible "
+        description="Start kvstore, tokenizer, router, workers and the OpenAI-compatible "
         "HTTP gateway as child processes, print `llmfleet: serving on HOST:PORT` (and the "
         "gateway's URL on the next line) once every one is SERVING, stop them on SIGINT/SIGTERM.",
     )

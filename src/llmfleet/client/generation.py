@@ -1,4 +1,4 @@
-"""Client library for the public API (`llmfleet.v1.Generation`, served by the scheduler).
+"""Client library for the public API (`llmfleet.v1.Generation`, served by the router).
 
     with GenerationClient("127.0.0.1:50051") as client:
         res = client.generate("What is the capital of France?", max_tokens=32, temperature=0)
@@ -152,7 +152,7 @@ class WorkerStatus:
     num_free_blocks: int
     num_total_blocks: int
     num_active_leases: int
-    # KV blocks the scheduler's router believes it holds; None while that view is stale.
+    # KV blocks the router believes it holds; None while that view is stale.
     num_indexed_blocks: int | None = None
 
 

@@ -30,11 +30,11 @@ class WorkerStub:
     outputs are pushed as a TokenBatch (dataplane.proto) to the requester's reply endpoint.
 
     Disaggregated KV handoff (a lease, never a bare timeout):
-    1. scheduler -> decode D: ReserveKV        D reserves blocks, returns lease (id, epoch, expiry)
-    2. scheduler -> prefill P: Prefill(lease)  P computes the prompt, pushes the KV blocks over
+    1. router -> decode D: ReserveKV        D reserves blocks, returns lease (id, epoch, expiry)
+    2. router -> prefill P: Prefill(lease)  P computes the prompt, pushes the KV blocks over
     ZMQ to D's kv_endpoint, D acknowledges each push,
     P answers with the first token
-    3. scheduler -> D: StartDecode(lease)      D turns the reservation into a running sequence
+    3. router -> D: StartDecode(lease)      D turns the reservation into a running sequence
     4. on any failure: ReleaseKV(lease)        D frees the blocks; an expired lease is released
     by D itself and StartDecode then fails
     Messages carrying an old epoch are dropped.
@@ -93,11 +93,11 @@ class WorkerServicer:
     outputs are pushed as a TokenBatch (dataplane.proto) to the requester's reply endpoint.
 
     Disaggregated KV handoff (a lease, never a bare timeout):
-    1. scheduler -> decode D: ReserveKV        D reserves blocks, returns lease (id, epoch, expiry)
-    2. scheduler -> prefill P: Prefill(lease)  P computes the prompt, pushes the KV blocks over
+    1. router -> decode D: ReserveKV        D reserves blocks, returns lease (id, epoch, expiry)
+    2. router -> prefill P: Prefill(lease)  P computes the prompt, pushes the KV blocks over
     ZMQ to D's kv_endpoint, D acknowledges each push,
     P answers with the first token
-    3. scheduler -> D: StartDecode(lease)      D turns the reservation into a running sequence
+    3. router -> D: StartDecode(lease)      D turns the reservation into a running sequence
     4. on any failure: ReleaseKV(lease)        D frees the blocks; an expired lease is released
     by D itself and StartDecode then fails
     Messages carrying an old epoch are dropped.
@@ -215,11 +215,11 @@ class Worker:
     outputs are pushed as a TokenBatch (dataplane.proto) to the requester's reply endpoint.
 
     Disaggregated KV handoff (a lease, never a bare timeout):
-    1. scheduler -> decode D: ReserveKV        D reserves blocks, returns lease (id, epoch, expiry)
-    2. scheduler -> prefill P: Prefill(lease)  P computes the prompt, pushes the KV blocks over
+    1. router -> decode D: ReserveKV        D reserves blocks, returns lease (id, epoch, expiry)
+    2. router -> prefill P: Prefill(lease)  P computes the prompt, pushes the KV blocks over
     ZMQ to D's kv_endpoint, D acknowledges each push,
     P answers with the first token
-    3. scheduler -> D: StartDecode(lease)      D turns the reservation into a running sequence
+    3. router -> D: StartDecode(lease)      D turns the reservation into a running sequence
     4. on any failure: ReleaseKV(lease)        D frees the blocks; an expired lease is released
     by D itself and StartDecode then fails
     Messages carrying an old epoch are dropped.

@@ -18,12 +18,12 @@ from llmfleet.shared.wire.service_main import run_service
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m llmfleet.services.gateway",
-        description="The llmfleet OpenAI-compatible HTTP gateway (in front of the scheduler).",
+        description="The llmfleet OpenAI-compatible HTTP gateway (in front of the router).",
     )
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000; 0: any)")
     p.add_argument("--metrics-port", type=int, default=None, help="also serve /metrics here")
-    p.add_argument("--scheduler", dest="scheduler_address", default=None, help="HOST:PORT")
+    p.add_argument("--router", dest="router_address", default=None, help="HOST:PORT")
     p.add_argument(
         "--served-model-name", default=None, help="model name for clients (default: the model id)"
     )

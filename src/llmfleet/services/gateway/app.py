@@ -1,10 +1,10 @@
-"""The OpenAI-compatible HTTP API over the scheduler's gRPC `Generation` API (FastAPI).
+"""The OpenAI-compatible HTTP API over the router's gRPC `Generation` API (FastAPI).
 
-    app = create_app(GatewayConfig(scheduler_address="127.0.0.1:50051"))
+    app = create_app(GatewayConfig(router_address="127.0.0.1:50051"))
     uvicorn.run(app, port=8000)
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health
-(200 once the scheduler reports a model, else 503), GET /metrics (Prometheus). Every error,
+(200 once the router reports a model, else 503), GET /metrics (Prometheus). Every error,
 including malformed bodies and unknown routes, is answered in OpenAI's error shape
 (errors.py). A request names the served model or gets a 404; each becomes exactly one Generate
 call whose gRPC request id is the response's `id`.

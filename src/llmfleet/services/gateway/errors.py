@@ -1,7 +1,7 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
 
-gRPC status codes of the scheduler map to HTTP statuses in one table (`_BY_GRPC_CODE`). The
-scheduler names a bad field by its path in `GenerateRequest` ("sampling.temperature: must be
+gRPC status codes of the router map to HTTP statuses in one table (`_BY_GRPC_CODE`). The
+router names a bad field by its path in `GenerateRequest` ("sampling.temperature: must be
 ..."); `param_for` turns that path into the OpenAI parameter the client sent ("temperature").
 """
 

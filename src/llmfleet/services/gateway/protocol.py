@@ -3,7 +3,7 @@
 Field names, types and defaults follow OpenAI's Chat Completions and (legacy) Completions APIs,
 plus the sampling extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`, ...). Only shapes and types are checked here; value ranges are the
-scheduler's to check (one source of truth: `SamplingParams`), and its INVALID_ARGUMENT errors come
+router's to check (one source of truth: `SamplingParams`), and its INVALID_ARGUMENT errors come
 back as 400s naming the OpenAI parameter.
 
 Unknown fields are ignored, as vLLM does: clients send vendor extras freely. Known OpenAI

@@ -7,7 +7,7 @@ with `stream_options.include_usage`, one more chunk with the usage and no choice
 (HTTP status and headers are gone by then), followed by `[DONE]`.
 
 Cancellation: `DisconnectWatch` waits on the ASGI receive channel for `http.disconnect` and then
-cancels the Generate call, whose cancellation reaches the scheduler, which drops the request in
+cancels the Generate call, whose cancellation reaches the router, which drops the request in
 the fleet and frees its KV blocks. It covers the whole request: the non-streaming wait, the wait
 for a stream's first token (before any byte is sent), and the stream itself (where Starlette
 also cancels the body iterator on disconnect).

@@ -1,6 +1,6 @@
 """What the gateway needs from the served model's tokenizer: token spellings and prompt lengths.
 
-The scheduler streams token ids; OpenAI's logprobs spell each token as text plus its UTF-8
+The router streams token ids; OpenAI's logprobs spell each token as text plus its UTF-8
 bytes. A token's text is what decoding it alone gives. A token that holds only part of a
 multi-byte character decodes to U+FFFD, so its bytes come from the tokenizer's own byte
 spelling instead: byte-level BPE pieces (GPT-2's printable byte alphabet, "Ġ" for a space) or

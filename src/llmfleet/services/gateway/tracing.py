@@ -1,7 +1,7 @@
 """The gateway's span: one SERVER span per generation request, the root of the request's trace
 (or a child of the caller's, when the HTTP request carries a W3C `traceparent` header).
 
-The scheduler's `llm_request` span becomes its child: the gRPC client forwards the current span.
+The router's `llm_request` span becomes its child: the gRPC client forwards the current span.
 A streamed answer's span ends when the stream does. Health, metrics and model listing make no
 spans.
 """

@@ -1,9 +1,9 @@
-"""The gateway's view of the fleet: the scheduler's gRPC client, the served model, its tokenizer.
+"""The gateway's view of the fleet: the router's gRPC client, the served model, its tokenizer.
 
-The served model is what the scheduler's `GetModelInfo` reports (the workers' model), named
+The served model is what the router's `GetModelInfo` reports (the workers' model), named
 `served_model_name` when configured. It is fetched on first use and kept; a failure to reach
-the scheduler is a 503 to the HTTP client, not a crash, so the gateway can start before the
-fleet and ride out a scheduler restart.
+the router is a 503 to the HTTP client, not a crash, so the gateway can start before the
+fleet and ride out a router restart.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ class Upstream:
 
     def __init__(self, config: GatewayConfig, tokenizer: Any) -> None:
         self.config = config
-        self.client = AsyncGenerationClient(config.scheduler_address)
+        self.client = AsyncGenerationClient(config.router_address)
         self.speller = TokenSpeller(tokenizer)
         self._model: ServedModel | None = None
         self._lock = asyncio.Lock()
 
     async def model(self, *, refresh: bool = False) -> ServedModel:
-        """The served model; raises APIError 503 when the scheduler cannot tell it."""
+        """The served model; raises APIError 503 when the router cannot tell it."""
         if self._model is not None and not refresh:
             return self._model
         async with self._lock:
@@ -51,7 +51,7 @@ class Upstream:
             except ClientError as exc:
                 raise APIError(
                     503,
-                    f"the scheduler at {self.config.scheduler_address} cannot serve: {exc}",
+                    f"the router at {self.config.router_address} cannot serve: {exc}",
                     type="service_unavailable_error",
                     code="service_unavailable",
                 ) from None

@@ -1,6 +1,6 @@
-"""`python -m llmfleet.services.router [flags]` — the scheduler service.
+"""`python -m llmfleet.services.router [flags]` — the router service.
 
-Flags override `LLMFLEET_SCHEDULER_*` environment variables. Logs go to stderr; nothing is
+Flags override `LLMFLEET_ROUTER_*` environment variables. Logs go to stderr; nothing is
 printed to stdout. Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the service cannot start,
 2 on a bad flag or configuration value.
 """
@@ -11,14 +11,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from llmfleet.shared.core.config import ROUTING_POLICIES, SchedulerConfig
+from llmfleet.shared.core.config import ROUTING_POLICIES, RouterConfig
 from llmfleet.shared.wire.service_main import run_service
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m llmfleet.services.router",
-        description="The llmfleet scheduler (public Generation API, routing, orchestration).",
+        description="The llmfleet router (public Generation API, routing, orchestration).",
     )
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gRPC port (0: any free port)")
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve
 
-    return run_service("scheduler", SchedulerConfig, args, load_serve, verbose=verbose)
+    return run_service("router", RouterConfig, args, load_serve, verbose=verbose)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The disaggregated handoff, scheduler side: lease on D, prefill on P, first token, decode on D.
+"""The disaggregated handoff, router side: lease on D, prefill on P, first token, decode on D.
 
     first = await handoff.prefill(run)      # (leg, first token output), or None: D prefills
     ... the orchestrator streams the first token ...
@@ -34,7 +34,7 @@ from llmfleet.services.router.placement import (
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_PREFILL
 from llmfleet.services.router.request import Lease, Leg, RequestRun
 from llmfleet.services.router.routing import LeastLoad
-from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import sampling_to_pb
 from llmfleet.shared.wire.service import Unavailable
@@ -83,7 +83,7 @@ def _end_lease_span(
 class LeaseHandoff:
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: RouterConfig,
         placement: Placement,
         reply_endpoint: str,
         spawn: Spawn,

@@ -1,4 +1,4 @@
-"""The scheduler's Prometheus metrics (vLLM names where vLLM has one), created once per process."""
+"""The router's Prometheus metrics (vLLM names where vLLM has one), created once per process."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ QUEUE_TIME = prom.Histogram(
 ROUTING = prom.Counter("llmfleet:routing_decisions", "Routing decisions", ["policy", "outcome"])
 MIGRATIONS = prom.Counter("llmfleet:migrations", "Requests re-submitted after a worker failure")
 LEASES = prom.Counter(
-    "llmfleet:lease_outcomes", "KV lease outcomes, as the scheduler sees them", ["outcome"]
+    "llmfleet:lease_outcomes", "KV lease outcomes, as the router sees them", ["outcome"]
 )
 # Every outcome exported at 0 from the start, so rate() and ratios see the series.
 for _outcome in ("committed", "released", "expired", "failed", "reserve_failed", "lost"):

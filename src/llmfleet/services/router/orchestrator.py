@@ -1,7 +1,7 @@
-"""The scheduler's request orchestration: admission, routing, submission, streaming, migration.
+"""The router's request orchestration: admission, routing, submission, streaming, migration.
 
-    sched = Scheduler(config, ctx, tokenizer_stub)       # owns registry, KV index, reply endpoint
-    async for response in sched.generate(request_pb):    # GenerateResponse messages
+    router = Router(config, ctx, tokenizer_stub)       # owns registry, KV index, reply endpoint
+    async for response in router.generate(request_pb):    # GenerateResponse messages
         ...
 
 Per request (docs/fleet.md): validate → tokenize → check against the model → route → submit
@@ -46,7 +46,7 @@ from llmfleet.services.router.request import Aborted, Completion, Leg, RequestRu
 from llmfleet.services.router.routing import Policy, make_policy
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
-from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, LLMFleetError, ValidationError
 from llmfleet.shared.core.kv_index import KVSnapshot
 from llmfleet.shared.wire.convert import FINISH_FROM_PB
@@ -68,12 +68,12 @@ _STOP = common_pb2.FINISH_REASON_STOP
 _ABORT = common_pb2.FINISH_REASON_ABORT
 
 
-class Scheduler:
+class Router:
     """Owns the fleet's view (registry, channels, KV index) and every in-flight request."""
 
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: RouterConfig,
         ctx: zmq.asyncio.Context,
         tokenizer: tokenizer_pb2_grpc.TokenizerStub,
     ) -> None:
@@ -189,7 +189,7 @@ class Scheduler:
                 raise ValidationError("request_id", f"{request_id!r} is already running")
             kind, params = check_shape(req)
             if self.draining:
-                raise Unavailable("the scheduler is draining")
+                raise Unavailable("the router is draining")
             model = self.model()
             if model is None or not self.usable():
                 raise Unavailable("no live worker serves requests")

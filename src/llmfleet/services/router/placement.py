@@ -27,7 +27,7 @@ from llmfleet.services.router.request import Completion, Leg, RequestRun
 from llmfleet.services.router.routing import Candidate, Policy
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
-from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, ValidationError
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import sampling_to_pb
@@ -55,7 +55,7 @@ def field_error(details: str | None, default_field: str) -> ValidationError:
 
 
 def mark_submitted(run: RequestRun) -> None:
-    """The request left the scheduler's queue (first successful submission)."""
+    """The request left the router's queue (first successful submission)."""
     if run.submitted_at is None:
         run.submitted_at = time.perf_counter()
         metrics.QUEUE_TIME.labels(run.model.model_id).observe(run.submitted_at - run.arrival)
@@ -66,7 +66,7 @@ def mark_submitted(run: RequestRun) -> None:
 class Placement:
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: RouterConfig,
         registry: WorkerRegistry,
         pool: WorkerPool,
         kv: KVSubscriber,
@@ -82,7 +82,7 @@ class Placement:
         self.replies = replies
         self.policy = policy
         self._on_broken = on_broken
-        self._inflight: dict[str, int] = {}  # worker id -> legs the scheduler placed there
+        self._inflight: dict[str, int] = {}  # worker id -> legs the router placed there
 
     @property
     def serving_role(self) -> str:

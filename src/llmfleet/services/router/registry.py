@@ -4,7 +4,7 @@ Pure Python (no grpc/protobuf): the Registry servicer converts messages into the
 dataclasses below. A worker is *live* while its last heartbeat (or registration) is younger
 than `heartbeat_timeout_ms`; only live workers receive traffic. Removing a worker (deregistered,
 or declared dead after a channel failure) makes its next heartbeat answer `known=False`, which
-tells it to register again. Mutated only by the scheduler's event loop.
+tells it to register again. Mutated only by the router's event loop.
 """
 
 from __future__ import annotations

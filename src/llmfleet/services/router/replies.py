@@ -1,4 +1,4 @@
-"""The scheduler's reply endpoint: one PULL socket receiving `TokenBatch` from every worker.
+"""The router's reply endpoint: one PULL socket receiving `TokenBatch` from every worker.
 
 Each batch is split by request id and handed to the sink registered for that id (the request's
 queue); outputs for ids nobody registered (finished, cancelled or migrated requests) are dropped.

@@ -1,4 +1,4 @@
-"""One client request inside the scheduler: its completions, where they run, what was streamed.
+"""One client request inside the router: its completions, where they run, what was streamed.
 
 A request is submitted as one or more *legs*. A leg is one submission to one worker under a
 wire id (the id the worker and the reply endpoint know it by); wire index i of a leg is

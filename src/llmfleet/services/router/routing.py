@@ -1,6 +1,6 @@
 """Routing policies: which worker runs a request.
 
-Pure Python. The scheduler builds one `Candidate` per usable worker (its load as the scheduler
+Pure Python. The router builds one `Candidate` per usable worker (its load as the router
 knows it, and, for policies that want it, the request's cached prefix there from the KV index)
 and asks a policy to choose. Every choice comes with a `RouteDecision` for metrics and tracing.
 

@@ -1,13 +1,13 @@
-"""The scheduler service: `llmfleet.v1.Generation` (public) and `llmfleet.v1.Registry` (workers).
+"""The router service: `llmfleet.v1.Generation` (public) and `llmfleet.v1.Registry` (workers).
 
-    server = SchedulerServer(SchedulerConfig(port=0, tokenizer_address=...))
+    server = RouterServer(RouterConfig(port=0, tokenizer_address=...))
     await server.start()          # health NOT_SERVING until the tokenizer answers and a worker
     ...                           # of the serving role (unified / decode) is live
     await server.stop()
 
     await serve(config)           # the process entry point: runs until SIGTERM, then drains
 
-The servicers are thin: protobuf in, `Scheduler` (orchestrator.py) and `WorkerRegistry`
+The servicers are thin: protobuf in, `Router` (orchestrator.py) and `WorkerRegistry`
 (registry.py) do the work, typed errors become status codes through `abort_with`.
 """
 
@@ -24,9 +24,9 @@ import grpc
 import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.services.router.orchestrator import Scheduler
+from llmfleet.services.router.orchestrator import Router
 from llmfleet.services.router.registry import ROLES, Load, ModelSpec
-from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.wire.service import Service, abort_with
 from llmfleet.shared.wire.tracing import context_from_metadata
@@ -110,8 +110,8 @@ def model_to_pb(m: ModelSpec) -> common_pb2.ModelInfo:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
+    def __init__(self, router: Router) -> None:
+        self.router = router
 
     async def RegisterWorker(
         self, request: registry_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -125,7 +125,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             if not request.address:
                 raise ValidationError("address", "must not be empty")
             model = model_from_pb(request.model)
-            reg = self.sched.registry.register(
+            reg = self.router.registry.register(
                 request.worker_id,
                 role,
                 request.address,
@@ -137,14 +137,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             await abort_with(context, exc)
             raise
         resubscribe = reg.is_new or reg.events_changed or reg.address_changed
-        self.sched.on_registered(
+        self.router.on_registered(
             request.worker_id,
             reg.address_changed,
             request.kv_events_endpoint if resubscribe else None,
         )
         logger.info("worker %s (%s) registered at %s", request.worker_id, role, request.address)
         return registry_pb2.RegisterWorkerResponse(
-            heartbeat_interval_ms=self.sched.config.heartbeat_interval_ms
+            heartbeat_interval_ms=self.router.config.heartbeat_interval_ms
         )
 
     async def Heartbeat(
@@ -152,26 +152,26 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     ) -> registry_pb2.HeartbeatResponse:
         load = load_from_pb(request.load) if request.HasField("load") else None
         return registry_pb2.HeartbeatResponse(
-            known=self.sched.registry.heartbeat(request.worker_id, load)
+            known=self.router.registry.heartbeat(request.worker_id, load)
         )
 
     async def DeregisterWorker(
         self, request: registry_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.DeregisterWorkerResponse:
-        self.sched.worker_gone(request.worker_id, "deregistered")
+        self.router.worker_gone(request.worker_id, "deregistered")
         return registry_pb2.DeregisterWorkerResponse()
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
+    def __init__(self, router: Router) -> None:
+        self.router = router
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         parent = context_from_metadata(context.invocation_metadata())
         try:
-            async for resp in self.sched.generate(request, parent):
+            async for resp in self.router.generate(request, parent):
                 yield resp
         except LLMFleetError as exc:
             await abort_with(context, exc)
@@ -179,12 +179,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
-        return generation_pb2.AbortResponse(found=self.sched.abort(request.request_id))
+        return generation_pb2.AbortResponse(found=self.router.abort(request.request_id))
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetModelInfoResponse:
-        model = self.sched.model()
+        model = self.router.model()
         if model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker serves a model")
         return generation_pb2.GetModelInfoResponse(model=model_to_pb(model))
@@ -192,7 +192,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetServerInfoResponse:
-        cfg = self.sched.config
+        cfg = self.router.config
         return generation_pb2.GetServerInfoResponse(
             version=_version(),
             mode=cfg.mode,
@@ -203,36 +203,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     role=_ROLE_TO_PB[w.role],
                     address=w.address,
                     load=load_to_pb(w.load),
-                    num_indexed_blocks=self.sched.kv.index.num_blocks(w.worker_id),
+                    num_indexed_blocks=self.router.kv.index.num_blocks(w.worker_id),
                 )
-                for w in self.sched.registry.live()
+                for w in self.router.registry.live()
             ],
         )
 
 
-class SchedulerServer:
-    """The running service: gRPC servicers, the scheduler core, health and liveness loops."""
+class RouterServer:
+    """The running service: gRPC servicers, the router core, health and liveness loops."""
 
-    def __init__(self, config: SchedulerConfig, *, expose_metrics: bool = True) -> None:
+    def __init__(self, config: RouterConfig, *, expose_metrics: bool = True) -> None:
         self.config = config
         self.service = Service(
-            "scheduler",
+            "router",
             config.host,
             config.port,
             metrics_port=config.metrics_port if expose_metrics else None,
-            self_traced=[f"/{GENERATION}/Generate"],  # its span is the scheduler's llm_request
+            self_traced=[f"/{GENERATION}/Generate"],  # its span is the router's llm_request
         )
         self._ctx = zmq.asyncio.Context()
         self._tok_channel = grpc.aio.insecure_channel(config.tokenizer_address)
-        self.scheduler = Scheduler(
-            config, self._ctx, tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
-        )
+        self.router = Router(config, self._ctx, tokenizer_pb2_grpc.TokenizerStub(self._tok_channel))
         self._health_stub = health_pb2_grpc.HealthStub(self._tok_channel)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.scheduler), self.service.server
+            GenerationServicer(self.router), self.service.server
         )
         registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.scheduler), self.service.server
+            RegistryServicer(self.router), self.service.server
         )
         self._loops: list[asyncio.Task[None]] = []
         self.serving = False
@@ -242,20 +240,20 @@ class SchedulerServer:
         return self.service.address
 
     async def start(self) -> None:
-        self.scheduler.start()
+        self.router.start()
         await self.service.start([GENERATION, REGISTRY])
         self._loops = [asyncio.create_task(self._liveness_loop())]
         logger.info(
-            "scheduler on %s (%s, %s), replies on %s",
+            "router on %s (%s, %s), replies on %s",
             self.address,
             self.config.mode,
             self.config.routing_policy,
-            self.scheduler.replies.endpoint,
+            self.router.replies.endpoint,
         )
 
     def begin_drain(self) -> None:
         """Stop taking requests (health NOT_SERVING); running ones finish within the grace."""
-        self.scheduler.draining = True
+        self.router.draining = True
         for task in self._loops:
             task.cancel()
         self.service.request_stop()
@@ -269,14 +267,14 @@ class SchedulerServer:
         await self.wait_drained()
 
     async def stop(self, grace_s: float = 0.0) -> None:
-        self.scheduler.draining = True
+        self.router.draining = True
         for task in self._loops:
             task.cancel()
         await self.service.server.stop(grace_s)
         await self._close()
 
     async def _close(self) -> None:
-        await self.scheduler.close()
+        await self.router.close()
         await self._tok_channel.close()
         self._ctx.term()
 
@@ -292,8 +290,8 @@ class SchedulerServer:
         """Drop silent workers; SERVING exactly while the tokenizer and a usable worker are up."""
         period = min(self.config.heartbeat_interval_ms, self.config.heartbeat_timeout_ms / 4)
         while True:
-            self.scheduler.sweep()
-            serving = self.scheduler.usable() and await self._tokenizer_ready()
+            self.router.sweep()
+            serving = self.router.usable() and await self._tokenizer_ready()
             if serving != self.serving:
                 self.serving = serving
                 status = (
@@ -303,15 +301,15 @@ class SchedulerServer:
                 )
                 for name in ("", GENERATION, REGISTRY):
                     await self.service.health.set(name, status)
-                logger.info("scheduler %s", "SERVING" if serving else "NOT_SERVING")
+                logger.info("router %s", "SERVING" if serving else "NOT_SERVING")
             await asyncio.sleep(period / 1000.0)
 
 
 async def serve(
-    config: SchedulerConfig, *, on_started: Callable[[SchedulerServer], None] | None = None
+    config: RouterConfig, *, on_started: Callable[[RouterServer], None] | None = None
 ) -> None:
-    """Run the scheduler until SIGTERM/SIGINT (or `server.begin_drain()`), then drain."""
-    server = SchedulerServer(config)
+    """Run the router until SIGTERM/SIGINT (or `server.begin_drain()`), then drain."""
+    server = RouterServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,4 +1,4 @@
-"""The scheduler's spans and their attributes (OpenTelemetry GenAI conventions plus `llmfleet.*`).
+"""The router's spans and their attributes (OpenTelemetry GenAI conventions plus `llmfleet.*`).
 
     llm_request (SERVER, the trace's root for one Generate call)
     ├── llmfleet.v1.Tokenizer/Tokenize      (tokenizer: render, tokenize)

@@ -2,7 +2,7 @@
 
 One channel per worker. A watcher task follows the channel's connectivity: once a channel that
 was connected drops and cannot reconnect (TRANSIENT_FAILURE), `on_failure(worker_id)` is called
-so the scheduler can migrate the worker's requests without waiting for heartbeats to time out.
+so the router can migrate the worker's requests without waiting for heartbeats to time out.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from llmfleet.shared.core.config import WORKER_ROLES, EngineConfig, WorkerConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 
 _WORKER_FLAGS = (
-    "host", "port", "metrics_port", "role", "worker_id", "scheduler_address",
+    "host", "port", "metrics_port", "role", "worker_id", "router_address",
     "kvstore_address", "kvstore_endpoint", "kvstore_events_endpoint", "kvstore_put_delay_ms",
     "first_token_yield_ms", "lease_ttl_ms", "kv_push_timeout_ms",
 )  # fmt: skip
@@ -41,7 +41,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any)")
     p.add_argument("--role", choices=WORKER_ROLES, help="default unified")
     p.add_argument("--worker-id", help="unique id (default: derived from address and pid)")
-    p.add_argument("--scheduler", dest="scheduler_address", help="Registry HOST:PORT")
+    p.add_argument("--router", dest="router_address", help="Registry HOST:PORT")
     p.add_argument("--kvstore", dest="kvstore_address", help="kvstore gRPC HOST:PORT")
     p.add_argument("--kvstore-endpoint", help="kvstore ZMQ data endpoint tcp://HOST:PORT")
     p.add_argument(

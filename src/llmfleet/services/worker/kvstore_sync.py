@@ -11,7 +11,7 @@ Fetched blocks are imported into the local prefix cache (they then count as cach
 
 The view. With the kvstore's event endpoint the worker keeps the set of hashes the kvstore
 holds (stored/evicted events with seq numbers, a `GetKVSnapshot` resync on a gap; the same
-index the scheduler keeps of its workers). When the view is in sync and holds none of a
+index the router keeps of its workers). When the view is in sync and holds none of a
 prompt's chain, admission skips the lookup RPC. A view a few events behind only misses a
 reuse (the prompt is computed, and its blocks put again); it never admits wrong KV, since
 every fetch still goes through `lookup` and `get`.

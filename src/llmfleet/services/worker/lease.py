@@ -45,7 +45,7 @@ class LeaseState(enum.Enum):
 
 
 # The decode worker's view of the handoff: leases granted ("reserved") and ended, by how they
-# ended. The scheduler counts its own view (`llmfleet:lease_outcomes_total`).
+# ended. The router counts its own view (`llmfleet:lease_outcomes_total`).
 LEASE_TRANSITIONS = prometheus_client.Counter(
     "llmfleet:kv_leases",
     "KV leases granted (state=reserved) and ended (committed, released, expired)",

@@ -21,7 +21,7 @@ everything else (KV events, spans, prefill waiters, request metrics).
 With no work and no queued op the loop waits on an event (no polling).
 
 On CPU, a step takes every core; after a step that gave a request its first token the loop
-waits `first_token_yield_s` before the next one, so the scheduler and tokenizer processes that
+waits `first_token_yield_s` before the next one, so the router and tokenizer processes that
 carry the token to the client run at once instead of waiting to preempt the step (measured on 2
 cores: the first token's hops after the step went from about 8 ms to 3.5 ms).
 """

@@ -5,7 +5,7 @@ The pushes leave from the engine thread, right after the step that made them (`E
 about 0.9 ms of a first token's way to the client. One PUSH socket per distinct reply endpoint,
 created on first use (linger 0) on a shadow of the worker's ZMQ context and touched only by
 the engine thread (ZMQ sockets are not thread-safe). Sends never block the step: a requester
-that stopped reading (its queue full) loses messages, with a log line; the scheduler notices a
+that stopped reading (its queue full) loses messages, with a log line; the router notices a
 dead peer by its own means.
 """
 

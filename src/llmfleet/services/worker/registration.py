@@ -1,8 +1,8 @@
-"""Registration with the scheduler's Registry, and heartbeats, while the worker serves.
+"""Registration with the router's Registry, and heartbeats, while the worker serves.
 
-    RegisterWorker -> heartbeat every `heartbeat_interval_ms` (the scheduler's answer)
-    known=false (the scheduler restarted)   -> register again
-    scheduler unreachable                   -> retry with exponential backoff (capped), forever
+    RegisterWorker -> heartbeat every `heartbeat_interval_ms` (the router's answer)
+    known=false (the router restarted)   -> register again
+    router unreachable                   -> retry with exponential backoff (capped), forever
 
 State changes (registered, lost, re-registered) are logged once each, not per attempt.
 `registered` is set after the first successful registration (the worker turns SERVING then).
@@ -27,21 +27,21 @@ RPC_TIMEOUT_S = 5.0
 class Registrar:
     def __init__(
         self,
-        scheduler_address: str,
+        router_address: str,
         make_request: Callable[[], registry_pb2.RegisterWorkerRequest],
         load: Callable[[], common_pb2.LoadReport],
         *,
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
     ) -> None:
-        self.scheduler_address = scheduler_address
+        self.router_address = router_address
         self._make_request = make_request
         self._load = load
         self._min_backoff = min_backoff_s
         self._max_backoff = max_backoff_s
         self.registered = asyncio.Event()
         self.num_registrations = 0
-        self._channel = grpc.aio.insecure_channel(scheduler_address)
+        self._channel = grpc.aio.insecure_channel(router_address)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self._worker_id = ""
@@ -67,7 +67,7 @@ class Registrar:
                     interval = await self._register()
                     logger.info(
                         "registered with %s (heartbeat every %.0f ms)",
-                        self.scheduler_address,
+                        self.router_address,
                         interval * 1000,
                     )
                 else:
@@ -77,20 +77,18 @@ class Registrar:
                         timeout=RPC_TIMEOUT_S,
                     )
                     if not resp.known:
-                        logger.info(
-                            "scheduler %s forgot us: registering again", self.scheduler_address
-                        )
+                        logger.info("router %s forgot us: registering again", self.router_address)
                         interval = None
                         continue
                 if not reachable:
-                    logger.info("scheduler %s reachable again", self.scheduler_address)
+                    logger.info("router %s reachable again", self.router_address)
                     reachable = True
                 backoff = self._min_backoff
             except grpc.aio.AioRpcError as e:
                 if reachable:
                     logger.warning(
-                        "scheduler %s unreachable (%s); retrying with backoff",
-                        self.scheduler_address,
+                        "router %s unreachable (%s); retrying with backoff",
+                        self.router_address,
                         e.code().name,
                     )
                     reachable = False
@@ -110,7 +108,7 @@ class Registrar:
                     timeout=RPC_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as e:
-                logger.warning("deregistering from %s failed: %s", self.scheduler_address, e.code())
+                logger.warning("deregistering from %s failed: %s", self.router_address, e.code())
 
     async def close(self) -> None:
         await self.deregister()

@@ -124,7 +124,7 @@ class RequestSpans:
 
     def stopped(self, request_id: str, index: int | None) -> None:
         """Completion `index` (None: every unfinished one) ended by a stop string that the
-        scheduler matched: the engine emits no output for it, so it is counted here."""
+        router matched: the engine emits no output for it, so it is counted here."""
         life = self._lives.get(request_id)
         if life is None:
             return

@@ -13,7 +13,7 @@ runs on the one `EngineThread`, see loop.py):
   - decode side (decode_side.py): the `KVReceiver` writes pushed blocks into lease
     reservations (via the loop), a sweeper expires leases and frees their blocks;
   - prefill side (prefill_side.py): a prefill waits for its first output, then pushes its KV;
-  - the `Registrar` registers and heartbeats with the scheduler;
+  - the `Registrar` registers and heartbeats with the router;
   - kvstore (kvstore_sync.py): before admission a longer prefix held by the kvstore is fetched
     and imported into the prefix cache; once a prompt is computed its full blocks the kvstore
     lacked are put.
@@ -197,9 +197,9 @@ class WorkerRuntime:
                 put_delay_s=self.wc.kvstore_put_delay_ms / 1000,
             )
             await self.kvstore.start()
-        if self.wc.scheduler_address:
+        if self.wc.router_address:
             self.registrar = Registrar(
-                self.wc.scheduler_address, self._register_request, self._load_report
+                self.wc.router_address, self._register_request, self._load_report
             )
             self.registrar.start()
             self._bg.append(asyncio.create_task(self._serve_when_registered()))
@@ -407,7 +407,7 @@ class WorkerRuntime:
                 f"{rpc} needs a {' or '.join(roles)} worker; this one is {self.role}"
             )
 
-    # ---- the scheduler's view of this worker ------------------------------------------------
+    # ---- the router's view of this worker ------------------------------------------------
     def _load_report(self) -> common_pb2.LoadReport:
         engine = self.engine
         if engine is None:

@@ -184,7 +184,7 @@ async def serve(
     grace_s: float = 10.0,
 ) -> WorkerServer:
     """Start a worker in this event loop; returns it once started (SERVING once the model is
-    loaded and, with a scheduler configured, registered)."""
+    loaded and, with a router configured, registered)."""
     server = WorkerServer(worker_config, engine_config, loaded_model, grace_s=grace_s)
     if install_signal_handlers:
         server.install_signal_handlers()

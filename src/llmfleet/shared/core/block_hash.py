@@ -1,4 +1,4 @@
-"""The one block-hash function of llmfleet (tokenizer, scheduler, worker and kvstore share it).
+"""The one block-hash function of llmfleet (tokenizer, router, worker and kvstore share it).
 
 A block's hash identifies its KV content: the chain of every token before it and the context
 that changes what those tokens' KV are. Specification (version 1), for full blocks only:

@@ -110,8 +110,8 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    ENV_SECTION: typing.ClassVar[str] = "SCHEDULER"
+class RouterConfig:
+    ENV_SECTION: typing.ClassVar[str] = "ROUTER"
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
@@ -146,7 +146,7 @@ class WorkerConfig:
     metrics_port: int = 0
     role: str = "unified"  # unified | prefill | decode
     worker_id: str | None = None  # None: derived from host, port and pid
-    scheduler_address: str | None = None  # Registry to register with (None: standalone)
+    router_address: str | None = None  # Registry to register with (None: standalone)
     kvstore_address: str | None = None  # KVStore gRPC address (None: no shared KV store)
     kvstore_endpoint: str | None = None  # KVStore ZMQ data endpoint (tcp://host:port)
     # KVStore's KV-event PUB endpoint: with it the worker keeps a view of what the kvstore
@@ -157,7 +157,7 @@ class WorkerConfig:
     kvstore_put_delay_ms: int = 20
     # CPU workers: after a step that gave a request its first token, the next step starts this
     # much later. The step would take every core, so the services carrying that token to the
-    # client (scheduler, tokenizer) would wait for the OS to preempt it. Costs one inter-token
+    # client (router, tokenizer) would wait for the OS to preempt it. Costs one inter-token
     # interval this much, once per request; skipped while requests wait. Ignored on GPUs.
     first_token_yield_ms: float = 4.0
     lease_ttl_ms: int = 30000  # default lifetime of a KV lease this worker grants
@@ -199,14 +199,14 @@ class KVStoreConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The OpenAI-compatible HTTP gateway in front of the scheduler's public gRPC API."""
+    """The OpenAI-compatible HTTP gateway in front of the router's public gRPC API."""
 
     ENV_SECTION: typing.ClassVar[str] = "GATEWAY"
     host: str = "127.0.0.1"
     port: int = 8000  # HTTP port of /v1/*, /health and /metrics; 0: any free port
     metrics_port: int | None = None  # /metrics on a port of its own too (0: any); None: no
-    scheduler_address: str = "127.0.0.1:50051"
-    # The model name clients send and /v1/models lists; None: the scheduler's model id.
+    router_address: str = "127.0.0.1:50051"
+    # The model name clients send and /v1/models lists; None: the router's model id.
     served_model_name: str | None = None
     # The tokenizer (HF directory or .gguf; None: the bundled SmolLM2) of the served model: it
     # spells logprob tokens and counts chat prompts for the default max_tokens.

@@ -1,5 +1,5 @@
 """KV-event subscriptions: one ZMQ SUB socket per publisher feeding the KV index, and snapshot
-resyncs over gRPC (`GetKVSnapshot`) whenever the index asks for one. The scheduler subscribes
+resyncs over gRPC (`GetKVSnapshot`) whenever the index asks for one. The router subscribes
 to its workers; a worker subscribes to the kvstore."""
 
 from __future__ import annotations

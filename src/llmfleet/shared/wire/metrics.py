@@ -11,11 +11,11 @@ import prometheus_client
 
 NUM_REQUESTS_RUNNING = prometheus_client.Gauge(
     "vllm:num_requests_running",
-    "Requests running: in the engine (worker), or submitted to a worker (scheduler)",
+    "Requests running: in the engine (worker), or submitted to a worker (router)",
     ["model_name"],
 )
 NUM_REQUESTS_WAITING = prometheus_client.Gauge(
     "vllm:num_requests_waiting",
-    "Requests waiting: to be scheduled by the engine (worker), or for a worker (scheduler)",
+    "Requests waiting: to be scheduled by the engine (worker), or for a worker (router)",
     ["model_name"],
 )

@@ -1,5 +1,5 @@
 """The `main` of a service whose `serve(config)` coroutine runs until it is drained (the
-tokenizer, the scheduler, the gateway): logging to stderr, the config from flags over
+tokenizer, the router, the gateway): logging to stderr, the config from flags over
 `LLMFLEET_<SECTION>_*` variables, and the exit status.
 
 Exit status: 0 after a SIGTERM/SIGINT drain, 1 when the service cannot start, 2 on a bad flag

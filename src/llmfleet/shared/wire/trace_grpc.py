@@ -12,7 +12,7 @@ generator), and make spans of their own from an explicit context if they need to
 
 RPCs without a traceparent (heartbeats, stats polls, KV snapshots, probes) get no span: work that
 is no request's part starts no trace. Health and reflection never get one. Methods listed in
-`own_span` are left alone: their servicer makes the SERVER span itself (the scheduler's
+`own_span` are left alone: their servicer makes the SERVER span itself (the router's
 `llm_request`). The client side needs no interceptor: callers pass
 `metadata=tracing.metadata(ctx)` (one lookup, nothing added outside a trace).
 """

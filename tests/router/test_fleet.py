@@ -1,4 +1,4 @@
-"""Routing, KV-event resync, liveness, scheduler restart and migration, with fake workers."""
+"""Routing, KV-event resync, liveness, router restart and migration, with fake workers."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def test_prefix_aware_follows_kv_events_and_falls_back_to_load():
             b = await fleet.add_worker("b")
             hashes = prompt_hashes(list(PROMPT.encode()))
             await b.publish(hashes)
-            await eventually(lambda: fleet.sched.kv.index.matched_prefix("b", hashes) == 7)
+            await eventually(lambda: fleet.router.kv.index.matched_prefix("b", hashes) == 7)
             for _ in range(2):
                 await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
             assert _owner(a, b) == ["b", "b"]
             b.load.num_running = 3  # 3 more than a: beyond the threshold of 2
-            await eventually(lambda: fleet.sched.registry.get("b").load.num_running == 3)
+            await eventually(lambda: fleet.router.registry.get("b").load.num_running == 3)
             await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
             assert len(a.requests("AddRequest")) == 1
 
@@ -58,7 +58,7 @@ def test_kv_event_gap_fetches_snapshot_and_routes_correctly():
             await b.publish(hashes[2:], lost=True)  # seq 2 never arrives
             await b.publish([bytes(32)])  # seq 3: the gap shows
             await eventually(lambda: b.num_snapshots > snapshots, what="snapshot fetched")
-            await eventually(lambda: fleet.sched.kv.index.matched_prefix("b", hashes) == 7)
+            await eventually(lambda: fleet.router.kv.index.matched_prefix("b", hashes) == 7)
             await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
             assert _owner(a, b) == ["b"]
 
@@ -73,10 +73,10 @@ def test_restarted_scheduler_resyncs_from_snapshots():
             hashes = prompt_hashes(list(PROMPT.encode()))
             await b.publish(hashes)
             port = fleet.server.service.port
-            await fleet.stop_scheduler()
-            await fleet.start_scheduler(port)
-            await eventually(lambda: len(fleet.sched.registry.live()) == 2, what="re-registered")
-            await eventually(lambda: fleet.sched.kv.index.matched_prefix("b", hashes) == 7)
+            await fleet.stop_router()
+            await fleet.start_router(port)
+            await eventually(lambda: len(fleet.router.registry.live()) == 2, what="re-registered")
+            await eventually(lambda: fleet.router.kv.index.matched_prefix("b", hashes) == 7)
             assert a.registrations >= 1 and b.registrations >= 1
             await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
             assert _owner(a, b) == ["b"]
@@ -90,7 +90,7 @@ def test_silent_worker_gets_no_traffic_and_late_joiner_does():
             a = await fleet.add_worker("a")
             b = await fleet.add_worker("b")
             a.stop_heartbeats()
-            await eventually(lambda: not fleet.sched.registry.is_live("a"), what="a expired")
+            await eventually(lambda: not fleet.router.registry.is_live("a"), what="a expired")
             for _ in range(3):
                 await fleet.generate(text="hi", sampling=sampling(max_tokens=1))
             assert len(a.requests("AddRequest")) == 0 and len(b.requests("AddRequest")) == 3

@@ -1,4 +1,4 @@
-"""A real fleet whose scheduler process is killed and started again mid-run: the workers
+"""A real fleet whose router process is killed and started again mid-run: the workers
 register with the new one, its router rebuilds each worker's KV view from snapshots, and
 prefix-aware routing sends a request to the worker holding its prefix again."""
 
@@ -76,7 +76,7 @@ def test_restarted_scheduler_resyncs_and_routes_prefix_aware_again(fleet):
         wait_for(lambda: (indexed_blocks(client).get(owner) or 0) >= 6, "the owner's KV events")
         assert served_by(fleet, client, with_suffix(2)) == (owner, 6 * BLOCK)
 
-    fleet.restart("scheduler")  # SIGKILL: the new process starts with an empty KV view
+    fleet.restart("router")  # SIGKILL: the new process starts with an empty KV view
 
     with GenerationClient(fleet.endpoint) as client:
         # Both workers registered again and each view was rebuilt from a snapshot (no event

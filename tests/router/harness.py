@@ -1,4 +1,4 @@
-"""An in-process scheduler with a fake tokenizer and fake workers, for servicer tests."""
+"""An in-process router with a fake tokenizer and fake workers, for servicer tests."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 from fakes import FakeTokenizer, FakeWorker
 
-from llmfleet.services.router.server import SchedulerServer
-from llmfleet.shared.core.config import SchedulerConfig
+from llmfleet.services.router.server import RouterServer
+from llmfleet.shared.core.config import RouterConfig
 from llmfleet.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 TEST_TIMEOUT_S = 30.0
@@ -46,35 +46,35 @@ class Fleet:
         self.config_kwargs = defaults
         self.tokenizer = FakeTokenizer()
         self.workers: list[FakeWorker] = []
-        self.server: SchedulerServer | None = None
+        self.server: RouterServer | None = None
         self.channel: grpc.aio.Channel | None = None
         self.stub: generation_pb2_grpc.GenerationStub | None = None
 
     async def __aenter__(self) -> Fleet:
         await self.tokenizer.start()
-        await self.start_scheduler()
+        await self.start_router()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         for w in self.workers:
             await w.stop()
-        await self.stop_scheduler()
+        await self.stop_router()
         await self.tokenizer.stop()
 
     @property
-    def sched(self):
-        return self.server.scheduler
+    def router(self):
+        return self.server.router
 
-    async def start_scheduler(self, port: int = 0) -> None:
-        cfg = SchedulerConfig(
+    async def start_router(self, port: int = 0) -> None:
+        cfg = RouterConfig(
             tokenizer_address=self.tokenizer.address, **{**self.config_kwargs, "port": port}
         )
-        self.server = SchedulerServer(cfg, expose_metrics=False)
+        self.server = RouterServer(cfg, expose_metrics=False)
         await self.server.start()
         self.channel = grpc.aio.insecure_channel(self.server.address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    async def stop_scheduler(self) -> None:
+    async def stop_router(self) -> None:
         if self.channel is not None:
             await self.channel.close()
         if self.server is not None:
@@ -85,9 +85,9 @@ class Fleet:
         await w.start()
         self.workers.append(w)
         w.start_heartbeats(self.server.address)
-        await eventually(lambda: self.sched.registry.is_live(worker_id), what=f"{worker_id} live")
+        await eventually(lambda: self.router.registry.is_live(worker_id), what=f"{worker_id} live")
         await eventually(
-            lambda: not self.sched.kv.index.is_stale(worker_id), what=f"{worker_id} synced"
+            lambda: not self.router.kv.index.is_stale(worker_id), what=f"{worker_id} synced"
         )
         return w
 

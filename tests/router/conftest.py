@@ -1,4 +1,4 @@
-"""Scheduler tests import their fakes and harness as plain modules from this directory."""
+"""Router tests import their fakes and harness as plain modules from this directory."""
 
 from __future__ import annotations
 

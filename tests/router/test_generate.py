@@ -1,4 +1,4 @@
-"""Generate through an in-process scheduler with fake workers: streaming, n, stop strings,
+"""Generate through an in-process router with fake workers: streaming, n, stop strings,
 validation errors, cancellation."""
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_client_cancel_sends_cancel_to_worker():
             assert cancel.request_id == "c1"
             assert cancel.reason == common_pb2.FINISH_REASON_ABORT
             assert not cancel.HasField("index")
-            await eventually(lambda: not fleet.sched.runs, what="request state dropped")
+            await eventually(lambda: not fleet.router.runs, what="request state dropped")
 
     run(body())
 

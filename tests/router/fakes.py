@@ -1,4 +1,4 @@
-"""Small in-process fakes of the scheduler's peers, speaking the real wire contract.
+"""Small in-process fakes of the router's peers, speaking the real wire contract.
 
 - `FakeTokenizer`: byte-level. Tokenize: text -> its UTF-8 bytes as ids (chat: "role: content\\n"
   per message). Detokenize: ids -> bytes -> text, stop strings applied (text held back while it
@@ -175,13 +175,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def requests(self, name: str) -> list:
         return [req for n, req in self.calls if n == name]
 
-    async def register(self, scheduler: str) -> None:
-        async with grpc.aio.insecure_channel(scheduler) as ch:
+    async def register(self, router: str) -> None:
+        async with grpc.aio.insecure_channel(router) as ch:
             await registry_pb2_grpc.RegistryStub(ch).RegisterWorker(self._registration())
         self.registrations += 1
 
-    def start_heartbeats(self, scheduler: str, period_s: float = 0.05) -> None:
-        self._hb = asyncio.create_task(self._heartbeats(scheduler, period_s))
+    def start_heartbeats(self, router: str, period_s: float = 0.05) -> None:
+        self._hb = asyncio.create_task(self._heartbeats(router, period_s))
 
     def stop_heartbeats(self) -> None:
         if self._hb is not None:
@@ -213,8 +213,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             load=self.load,
         )
 
-    async def _heartbeats(self, scheduler: str, period_s: float) -> None:
-        async with grpc.aio.insecure_channel(scheduler) as ch:
+    async def _heartbeats(self, router: str, period_s: float) -> None:
+        async with grpc.aio.insecure_channel(router) as ch:
             stub = registry_pb2_grpc.RegistryStub(ch)
             while True:
                 with contextlib.suppress(grpc.aio.AioRpcError):
