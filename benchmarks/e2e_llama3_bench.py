@@ -231,7 +231,7 @@ def offline_throughput(engine: LLMEngine, plan: Plan, limit_s: float, seed: int 
     """Add `plan.offline_requests` requests at once and step until all finish or `limit_s`
     passes (then the figure covers the tokens made so far)."""
     rng = random.Random(seed)
-    vocab = engine.info.vocab_size
+    vocab = engine.spec.vocab_size
     prompt_tokens = 0
     start = time.perf_counter()
     for i in range(plan.offline_requests):
@@ -300,7 +300,7 @@ def build_engine(plan: Plan):
         plan.batch_prompt + plan.batch_steps,
         plan.single_prompt + plan.single_steps,
     )
-    per_block = kv_bytes_per_block(loaded.info, cfg.block_size, cfg.torch_dtype)
+    per_block = kv_bytes_per_block(loaded.spec, cfg.block_size, cfg.torch_dtype)
     blocks = plan.max_num_seqs * -(-max_len // cfg.block_size)
     if torch.device(plan.device).type == "cuda":
         free, _ = torch.cuda.mem_get_info()

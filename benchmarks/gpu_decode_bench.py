@@ -61,7 +61,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int) -> tuple[float, list
     """Median inter-token latency (ms) of the batch's decode tokens, and each sequence's
     tokens."""
     g = torch.Generator().manual_seed(batch)
-    vocab = engine.info.vocab_size
+    vocab = engine.spec.vocab_size
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     for i in range(batch):

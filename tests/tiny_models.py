@@ -160,7 +160,7 @@ class Runner:
 
     def __init__(self, loaded: LoadedModel, seq_lens: list[int]) -> None:
         self.model = loaded.model
-        info = loaded.info
+        info = loaded.spec
         self.kv = [
             torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, info.num_kv_heads, info.head_dim)
             for _ in range(info.num_layers)
@@ -205,7 +205,7 @@ def greedy_tokens(engine: Any, prompts: list[list[int]], steps: int) -> list[lis
 
 def prefill_logits(loaded: LoadedModel, ids: list[int], device: str = "cuda") -> torch.Tensor:
     """(len(ids), V) float32 logits of one prefill of `ids` over a fresh cache on `device`."""
-    info, n = loaded.info, len(ids)
+    info, n = loaded.spec, len(ids)
     blocks = -(-n // 16)
     shape = (2, blocks, 16, info.num_kv_heads, info.head_dim)
     kv = [torch.zeros(shape, device=device, dtype=info.dtype) for _ in range(info.num_layers)]

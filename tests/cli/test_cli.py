@@ -19,13 +19,8 @@ import grpc
 import pytest
 
 from llmfleet.cli.main import CompletionPrinter, main
-from llmfleet.client.generation import (
-    AsyncGenerationClient,
-    ClientError,
-    Delta,
-    GenerationClient,
-    build_request,
-)
+from llmfleet.client.generation import AsyncGenerationClient, ClientError, GenerationClient
+from llmfleet.client.messages import Delta, build_request
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -246,7 +241,7 @@ def test_sync_unary_calls(server):
     with GenerationClient(server.endpoint) as client:
         assert client.abort("r1") is True and client.abort("other") is False
         info = client.model_info()
-        assert (info.model_id, info.vocab_size, info.eos_token_ids) == ("tiny", 1000, [2])
+        assert (info.model_id, info.vocab_size, info.eos_token_ids) == ("tiny", 1000, (2,))
         fleet = client.server_info()
     assert (fleet.mode, fleet.routing_policy) == ("aggregated", "prefix_aware")
     [w] = fleet.workers

@@ -68,7 +68,7 @@ def test_graphs_give_eager_tokens(arch, loaded):
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     rows = []
     for batch in BATCHES:
-        prompts = ragged_prompts(model.info.vocab_size, batch)
+        prompts = ragged_prompts(model.spec.vocab_size, batch)
         want, eager_ms = greedy(eager, prompts)
         got_sync, sync_ms = greedy(synced, prompts)
         replays, chained = graphs.num_replays, graphed.num_chained_steps
@@ -92,7 +92,7 @@ def test_graphs_give_eager_tokens(arch, loaded):
 
 def test_batches_above_the_max_run_eagerly(loaded):
     model = loaded["llama"]
-    prompts = ragged_prompts(model.info.vocab_size, 17)
+    prompts = ragged_prompts(model.spec.vocab_size, 17)
     want, _ = greedy(LLMEngine(EngineConfig(cuda_graph_max_batch_size=0, **CFG), model), prompts)
     engine = LLMEngine(EngineConfig(cuda_graph_max_batch_size=16, **CFG), model)
     graphs = engine.runner.decode_graphs
@@ -115,7 +115,7 @@ def test_bf16_graph_logits_close_to_eager(arch, make_checkpoint_module):
     )
     engine = LLMEngine(EngineConfig(dtype="bfloat16", **CFG), model)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(ragged_prompts(model.info.vocab_size, 5)):
+    for i, p in enumerate(ragged_prompts(model.spec.vocab_size, 5)):
         engine.add_request(f"r{i}", p, params)
     engine.step()  # prefill
     sched = engine.scheduler.schedule()
@@ -129,7 +129,7 @@ def test_bf16_graph_logits_close_to_eager(arch, make_checkpoint_module):
         eager = runner.execute(sched).logits
     finally:
         runner.decode_graphs = graphs
-    assert replayed.shape == eager.shape == (5, model.info.vocab_size)
+    assert replayed.shape == eager.shape == (5, model.spec.vocab_size)
     scale = eager.abs().max().item()
     assert (replayed - eager).abs().max().item() <= 0.02 * scale
 
@@ -156,7 +156,7 @@ def test_bf16_skinny_gemm_decode_close_to_cublas(make_checkpoint_module, monkeyp
                 ),
             )
         engine = LLMEngine(EngineConfig(dtype="bfloat16", **CFG), model)
-        for i, p in enumerate(ragged_prompts(model.info.vocab_size, 5)):
+        for i, p in enumerate(ragged_prompts(model.spec.vocab_size, 5)):
             engine.add_request(f"r{i}", p, params)
         engine.step()  # prefill
         sched = engine.scheduler.schedule()
@@ -165,5 +165,5 @@ def test_bf16_skinny_gemm_decode_close_to_cublas(make_checkpoint_module, monkeyp
         assert engine.runner.decode_graphs.num_replays == 1
     assert calls and set(calls) <= set(range(2, 65))  # captured graphs went through it
     cublas, skinny = logits
-    assert skinny.shape == cublas.shape == (5, model.info.vocab_size)
+    assert skinny.shape == cublas.shape == (5, model.spec.vocab_size)
     assert (skinny - cublas).abs().max().item() <= 0.02 * cublas.abs().max().item()

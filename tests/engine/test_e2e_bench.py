@@ -32,8 +32,8 @@ def test_random_model_is_seeded_and_needs_no_tokenizer(bench) -> None:
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
     assert not torch.equal(pa["lm_head.weight"], pc["lm_head.weight"])
     assert torch.equal(pa["norm.weight"], torch.ones_like(pa["norm.weight"]))
-    assert a.tokenizer is None and a.info.eos_token_ids == ()
-    assert a.info.num_kv_heads == 2 and a.info.vocab_size == 512
+    assert a.tokenizer is None and a.spec.eos_token_ids == ()
+    assert a.spec.num_kv_heads == 2 and a.spec.vocab_size == 512
 
 
 def test_llama3_8b_shape_byte_counts(bench) -> None:

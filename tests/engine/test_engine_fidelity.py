@@ -55,7 +55,7 @@ def hf_greedy(path, prompts, steps):
 def test_greedy_matches_transformers_batched_chunked_and_cached(arch, make_checkpoint, tmp_path):
     path = make_checkpoint(arch, tmp_path)
     loaded = load_model(str(path), dtype=torch.float32)
-    vocab = loaded.info.vocab_size
+    vocab = loaded.spec.vocab_size
     g = torch.Generator().manual_seed(1234)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 19, 42)]
     expected = hf_greedy(path, prompts, STEPS)

@@ -127,7 +127,7 @@ def test_engine_reports_the_cost_of_the_batch_it_ran(make_checkpoint_module):
     assert engine.last_step_cost == StepCost()
     engine.add_request("a", list(range(3, 16)), SamplingParams(max_tokens=2, ignore_eos=True))
     shape = engine.model_shape
-    assert shape.kv_bytes == 4 and shape.num_layers == loaded.info.num_layers
+    assert shape.kv_bytes == 4 and shape.num_layers == loaded.spec.num_layers
 
     engine.step()  # the 13-token prompt in one chunk, sampled
     assert engine.last_step_cost == estimate_step_cost(shape, StepBatch((13,), (0,), 1))

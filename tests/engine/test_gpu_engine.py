@@ -29,7 +29,7 @@ def test_gpu_greedy_equals_cpu(arch, make_checkpoint, tmp_path):
     cfg = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=32)
     g = torch.Generator().manual_seed(7)
     cpu_loaded = load_model(path, dtype=torch.float32, device="cpu", progress=False)
-    vocab = cpu_loaded.info.vocab_size
+    vocab = cpu_loaded.spec.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 23, 61)]
     ref = greedy(LLMEngine(EngineConfig(**cfg), cpu_loaded), prompts)
     gpu_loaded = load_model(path, dtype=torch.float32, device="cuda", progress=False)

@@ -25,7 +25,7 @@ def engine_with(loaded, **kw) -> LLMEngine:
 
 def prompts(loaded, lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, loaded.info.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(3, loaded.spec.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
 def drain(engine, ids_prompts, params):
@@ -159,7 +159,7 @@ def test_stop_token_and_min_tokens(loaded):
 
 def test_validation_names_the_field(loaded):
     engine = engine_with(loaded)
-    vocab = loaded.info.vocab_size
+    vocab = loaded.spec.vocab_size
     cases = [
         (lambda: engine.add_request("a", [], SamplingParams()), "prompt"),
         (lambda: engine.add_request("a", [1, vocab], SamplingParams()), "prompt_token_ids"),

@@ -93,7 +93,7 @@ def test_stop_string_truncates_text(llm):
     stopped = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=["five"])
     [res] = llm.generate(["Count from one to ten: one, two,"], stopped)
     comp = res.completions[0]
-    assert comp.finish_reason == "stop" and comp.stop_reason == "five"
+    assert comp.finish_reason == "stop" and comp.stop_string == "five"
     assert comp.text == text[: text.index("five")]
     assert len(comp.token_ids) < 40
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -6,15 +6,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import bytes_to_unicode, make_tokenizer
 
-from llmfleet.client.generation import (
-    ClientError,
-    Completion,
-    Delta,
-    GenerateResult,
-    TokenLogprobs,
-    Usage,
-    build_request,
-)
+from llmfleet.client.generation import ClientError
+from llmfleet.client.messages import Delta, GenerateResult, Usage, build_request
 from llmfleet.services.gateway import convert
 from llmfleet.services.gateway.app import body_error, loc_to_param
 from llmfleet.services.gateway.convert import Call
@@ -22,6 +15,7 @@ from llmfleet.services.gateway.errors import APIError, from_client_error, param_
 from llmfleet.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from llmfleet.services.gateway.streaming import ChunkBuilder
 from llmfleet.services.gateway.tokens import TokenSpeller, _byte_level_alphabet
+from llmfleet.shared.core.outputs import Completion, TokenLogprobs
 
 
 @pytest.fixture(scope="module")

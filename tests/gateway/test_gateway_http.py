@@ -13,10 +13,10 @@ from gateway_helpers import gateway_in_thread
 from tiny_models import make_tokenizer
 
 from llmfleet.cli.launcher import pick_free_ports
-from llmfleet.client.generation import ModelInfo
 from llmfleet.services.gateway.errors import APIError
 from llmfleet.services.gateway.upstream import Upstream
 from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.shared.core.model_info import ModelInfo
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def make_engine(loaded: LoadedModel, async_scheduling: bool) -> LLMEngine:
             engine.runner.kv_caches,
             max_batch_size=4,
             max_model_len=engine.max_model_len,
-            vocab_size=loaded.info.vocab_size,
+            vocab_size=loaded.spec.vocab_size,
         )
     return engine
 
@@ -146,7 +146,7 @@ def test_abort_and_arrival_while_a_step_is_in_flight(loaded) -> None:
 def test_chained_steps_are_counted_for_prometheus(loaded) -> None:
     engine = make_engine(loaded, True)
     metrics = StepMetrics(engine)  # what the worker's engine loop updates after each step
-    name = {"model_name": engine.info.model_id}
+    name = {"model_name": engine.spec.model_id}
 
     def count() -> float:
         sample = "llmfleet:engine_chained_steps_total"

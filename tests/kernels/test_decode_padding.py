@@ -89,7 +89,7 @@ def test_engine_on_the_padded_path_gives_eager_tokens(make_checkpoint, tmp_path)
         engine.runner.kv_caches,
         max_batch_size=4,
         max_model_len=engine.max_model_len,
-        vocab_size=loaded.info.vocab_size,
+        vocab_size=loaded.spec.vocab_size,
     )
     assert padded.sizes == [1, 2, 4]
     engine.runner.decode_graphs = padded

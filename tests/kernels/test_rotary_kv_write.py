@@ -267,7 +267,7 @@ def test_tiny_model_through_triton_backend_matches_reference(arch: str, make_che
     logits = []
     for backend in (TritonAttentionBackend(force_triton=True), TorchReferenceBackend()):
         loaded = load_model(path, backend=backend, progress=False)
-        prompts = random_prompts(loaded.info.vocab_size)
+        prompts = random_prompts(loaded.spec.vocab_size)
         runner = Runner(loaded, PROMPT_LENS)
         first = runner.step([p[:-1] for p in prompts], [0, 0, 0])
         last = runner.step([p[-1:] for p in prompts], [n - 1 for n in PROMPT_LENS])

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from promql import dashboard_metric_names
 
 from llmfleet.cli.launcher import Child, Fleet, FleetSpec
-from llmfleet.client.generation import GenerateResult, GenerationClient
+from llmfleet.client.generation import GenerationClient
+from llmfleet.client.messages import GenerateResult
 from llmfleet.engine.flops import model_shape
 from llmfleet.models.loader import load_model
 

@@ -32,7 +32,7 @@ def arch_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 def test_prefill_matches_transformers(arch_pair) -> None:
     _, hf, loaded = arch_pair
-    prompts = random_prompts(loaded.info.vocab_size)
+    prompts = random_prompts(loaded.spec.vocab_size)
     runner = Runner(loaded, PROMPT_LENS)
     ours = runner.step(prompts, [0, 0, 0])
     for o, r in zip(ours, hf_logits(hf, prompts), strict=True):
@@ -41,7 +41,7 @@ def test_prefill_matches_transformers(arch_pair) -> None:
 
 def test_chunked_prefill_matches(arch_pair) -> None:
     _, hf, loaded = arch_pair
-    prompts = random_prompts(loaded.info.vocab_size)
+    prompts = random_prompts(loaded.spec.vocab_size)
     runner = Runner(loaded, PROMPT_LENS)
     splits = [2, 8, 9]  # second chunks start mid-block and on a block boundary
     runner.step([p[:s] for p, s in zip(prompts, splits, strict=True)], [0, 0, 0])
@@ -52,7 +52,7 @@ def test_chunked_prefill_matches(arch_pair) -> None:
 
 def test_decode_step_matches(arch_pair) -> None:
     _, hf, loaded = arch_pair
-    prompts = random_prompts(loaded.info.vocab_size)
+    prompts = random_prompts(loaded.spec.vocab_size)
     runner = Runner(loaded, PROMPT_LENS)
     runner.step([p[:-1] for p in prompts], [0, 0, 0])
     ours = runner.step([p[-1:] for p in prompts], [n - 1 for n in PROMPT_LENS])  # pure decode
@@ -62,7 +62,7 @@ def test_decode_step_matches(arch_pair) -> None:
 
 def test_model_info(arch_pair) -> None:
     arch, _, loaded = arch_pair
-    info = loaded.info
+    info = loaded.spec
     assert info.model_id == arch
     assert info.vocab_size == 260 and info.hidden_size == 64
     assert info.eos_token_ids[0] == 256

@@ -77,7 +77,7 @@ def test_decoder_projections_become_fp8(arch: str, make_checkpoint_module) -> No
     ref = load_model(path, progress=False)
     loaded = load_model(path, progress=False)
     names = use_fp8_linears(loaded.model)
-    layers = range(loaded.info.num_layers)
+    layers = range(loaded.spec.num_layers)
     has_mlp = [type(layer.mlp).__name__ == "MLP" for layer in loaded.model.layers]
     want = {f"layers.{i}.{p}" for i in layers for p in PROJECTIONS if has_mlp[i] or "attn" in p}
     assert set(names) == _fp8_modules(loaded.model) == want
@@ -85,7 +85,7 @@ def test_decoder_projections_become_fp8(arch: str, make_checkpoint_module) -> No
     if arch == "qwen3_moe":  # router and stacked experts stay in the model's dtype
         moe = next(layer.mlp for layer in loaded.model.layers if hasattr(layer.mlp, "w13"))
         assert type(moe.gate) is torch.nn.Linear and moe.w13.dtype == torch.float32
-    prompts = random_prompts(ref.info.vocab_size)
+    prompts = random_prompts(ref.spec.vocab_size)
     a = Runner(ref, PROMPT_LENS).step(prompts, [0, 0, 0])
     b = Runner(loaded, PROMPT_LENS).step(prompts, [0, 0, 0])
     errs = [_rel_err(y, x) for x, y in zip(a, b, strict=True)]
@@ -153,7 +153,7 @@ def test_gpu_fp8_gives_the_bf16_greedy_tokens(make_checkpoint, tmp_path: Path) -
     path = str(make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512))
     bf16 = load_model(path, dtype=torch.bfloat16, device="cuda", progress=False)
     fp8 = load_model(path, dtype=torch.bfloat16, device="cuda", quantization="fp8", progress=False)
-    assert len(_fp8_modules(fp8.model)) == 4 * fp8.info.num_layers and not _fp8_modules(bf16.model)
+    assert len(_fp8_modules(fp8.model)) == 4 * fp8.spec.num_layers and not _fp8_modules(bf16.model)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 23, 61)]
     errs = [_rel_err(prefill_logits(fp8, p), prefill_logits(bf16, p)) for p in prompts]

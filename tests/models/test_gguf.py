@@ -138,17 +138,17 @@ def test_tiny_gguf_matches_safetensors(tmp_path: Path, monkeypatch, tied: bool) 
     ref = load_model(str(save_checkpoint(hf, tmp_path / "ref")), progress=False)
     loaded = load_model(str(gguf_path), progress=False)
 
-    assert loaded.info.architecture == "LlamaForCausalLM"
-    assert loaded.info.model_id == "tiny"
-    assert loaded.info.max_model_len == 256
-    assert 256 in loaded.info.eos_token_ids and 258 in loaded.info.eos_token_ids
+    assert loaded.spec.architecture == "LlamaForCausalLM"
+    assert loaded.spec.model_id == "tiny"
+    assert loaded.spec.max_model_len == 256
+    assert 256 in loaded.spec.eos_token_ids and 258 in loaded.spec.eos_token_ids
     assert (loaded.model.lm_head is None) == tied
     ours, theirs = loaded.model.state_dict(), ref.model.state_dict()
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
 
-    prompts = random_prompts(loaded.info.vocab_size)
+    prompts = random_prompts(loaded.spec.vocab_size)
     a = Runner(loaded, PROMPT_LENS).step(prompts, [0, 0, 0])
     b = Runner(ref, PROMPT_LENS).step(prompts, [0, 0, 0])
     for x, y in zip(a, b, strict=True):
@@ -185,7 +185,7 @@ def test_bundled_smollm2_matches_transformers(tmp_path: Path, monkeypatch) -> No
     assert first_s < 30 and cached_s < 30, (first_s, cached_s)
     del first
 
-    info = loaded.info
+    info = loaded.spec
     assert info.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert (info.num_layers, info.num_kv_heads, info.head_dim) == (30, 3, 64)
     assert info.max_model_len == 8192 and 2 in info.eos_token_ids

@@ -96,11 +96,11 @@ def test_q4_gguf_packed_gives_the_dequantized_logits(tmp_path: Path, cache_dir) 
     dense = load_model(str(path), progress=False)  # CPU default: dequantized at load
     packed = load_model(str(path), progress=False, int4_weights=True)
     assert not _int4_modules(dense)
-    layers = range(dense.info.num_layers)
+    layers = range(dense.spec.num_layers)
     projections = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     assert _int4_modules(packed) == {f"layers.{i}.{p}" for i in layers for p in projections}
     assert isinstance(packed.model.lm_head, torch.nn.Linear)  # the output head stays dense
-    prompts = random_prompts(dense.info.vocab_size)
+    prompts = random_prompts(dense.spec.vocab_size)
     a = Runner(dense, PROMPT_LENS).step(prompts, [0, 0, 0])
     b = Runner(packed, PROMPT_LENS).step(prompts, [0, 0, 0])
     for x, y in zip(a, b, strict=True):
@@ -114,10 +114,10 @@ def test_mixed_quant_types_pack_only_whole_q4_weights(tmp_path: Path, cache_dir)
     quant_of = {**ALL_Q4, "attn_q": Q.Q8_0, "ffn_up": Q.Q8_0, "attn_output": Q.BF16}
     path = _write(tmp_path, quant_of)
     packed = load_model(str(path), progress=False, int4_weights=True)
-    layers = range(packed.info.num_layers)
+    layers = range(packed.spec.num_layers)
     assert _int4_modules(packed) == {f"layers.{i}.mlp.down_proj" for i in layers}
     dense = load_model(str(path), progress=False)
-    prompts = random_prompts(dense.info.vocab_size)
+    prompts = random_prompts(dense.spec.vocab_size)
     for x, y in zip(
         Runner(dense, PROMPT_LENS).step(prompts, [0, 0, 0]),
         Runner(packed, PROMPT_LENS).step(prompts, [0, 0, 0]),
@@ -142,7 +142,7 @@ def _greedy(loaded, prompts: list[list[int]], steps: int) -> list[list[int]]:
     from llmfleet.engine.engine import LLMEngine
     from llmfleet.shared.core.config import EngineConfig
 
-    dtype = str(loaded.info.dtype).removeprefix("torch.")
+    dtype = str(loaded.spec.dtype).removeprefix("torch.")
     cfg = EngineConfig(
         device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64, max_num_batched_tokens=64
     )
@@ -160,7 +160,7 @@ def test_gpu_packed_q4_gives_the_dequantized_greedy_tokens(tmp_path: Path, cache
     path = _write(tmp_path, ALL_Q4, hidden_size=256, intermediate_size=512, head_dim=64)
     packed = load_model(str(path), dtype=dtype, device="cuda", progress=False)
     dense = load_model(str(path), dtype=dtype, device="cuda", progress=False, int4_weights=False)
-    assert len(_int4_modules(packed)) == 4 * packed.info.num_layers and not _int4_modules(dense)
+    assert len(_int4_modules(packed)) == 4 * packed.spec.num_layers and not _int4_modules(dense)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 23, 61)]
     got, ref = _greedy(packed, prompts, 32), _greedy(dense, prompts, 32)

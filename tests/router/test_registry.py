@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from llmfleet.services.router.registry import Load, ModelSpec, WorkerRegistry
+from llmfleet.services.router.registry import Load, WorkerRegistry
+from llmfleet.shared.core.model_info import ModelInfo
 
-MODEL = ModelSpec(model_id="m", vocab_size=300, max_model_len=128, block_size=4)
+MODEL = ModelInfo(
+    model_id="m",
+    architecture="LlamaForCausalLM",
+    vocab_size=300,
+    max_model_len=128,
+    eos_token_ids=(),
+    max_n=16,
+    max_logprobs=20,
+    block_size=4,
+)
 
 
 class Clock:
@@ -67,7 +79,7 @@ def test_removed_worker_is_unknown_to_heartbeats():
 def test_roles_and_model_limits():
     reg = _reg(Clock())
     reg.register("p", "prefill", "h:1", "", MODEL)
-    reg.register("d", "decode", "h:2", "", ModelSpec("m", 300, 64, 4, max_n=2))
+    reg.register("d", "decode", "h:2", "", dataclasses.replace(MODEL, max_model_len=64, max_n=2))
     assert [w.worker_id for w in reg.live("decode")] == ["d"]
     m = reg.model()
     assert m.max_model_len == 64 and m.max_n == 2 and m.block_size == 4

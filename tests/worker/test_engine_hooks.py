@@ -34,7 +34,7 @@ def new_engine(loaded, **kw) -> LLMEngine:
 
 def prompt(loaded, n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, loaded.info.vocab_size, (n,), generator=g).tolist()
+    return torch.randint(3, loaded.spec.vocab_size, (n,), generator=g).tolist()
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -55,7 +55,7 @@ def test_export_import_round_trip_gives_same_tokens_and_cached_count(loaded):
     ids = prompt(loaded, 18)
     a = new_engine(loaded)
     ref, _ = run(a, "r", ids)
-    hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.info.model_id))
+    hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.spec.model_id))
     payload = a.read_cached_blocks(hashes)
     assert payload is not None and payload.shape == (4, *a.kv_block_shape)
 
@@ -102,7 +102,7 @@ def test_reserve_write_start_decode_matches_plain_run(loaded):
         assert [first, *rest] == plain
         assert d.num_free_blocks == base_d
         # the full prompt blocks entered d's prefix cache
-        hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.info.model_id))
+        hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.spec.model_id))
         assert set(hashes) <= set(d.cached_block_hashes())
 
 

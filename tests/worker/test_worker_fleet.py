@@ -95,8 +95,8 @@ def test_registers_heartbeats_and_reregisters_when_forgotten(loaded):
             assert first.role == common_pb2.WORKER_ROLE_DECODE
             assert first.address == w.address
             assert first.kv_events_endpoint == w.kv_events_endpoint
-            assert first.model.model_id == loaded.info.model_id
-            assert first.model.vocab_size == loaded.info.vocab_size
+            assert first.model.model_id == loaded.spec.model_id
+            assert first.model.vocab_size == loaded.spec.vocab_size
             assert first.model.block_size == BS
             assert first.load.num_total_blocks == 64
             assert await health_status(w.address) == health_pb2.HealthCheckResponse.SERVING

@@ -58,7 +58,7 @@ def test_add_request_streams_the_engine_tokens(loaded):
             h = await health.Check(health_pb2.HealthCheckRequest(service="llmfleet.v1.Worker"))
             assert h.status == health_pb2.HealthCheckResponse.SERVING
             s = stub(w)
-            step_count = {"model_name": loaded.info.model_id}
+            step_count = {"model_name": loaded.spec.model_id}
             steps0 = REGISTRY.get_sample_value("llmfleet:engine_step_seconds_count", step_count)
             resp = await s.AddRequest(add_request_pb("r1", ids, GREEDY, replies.endpoint))
             assert resp.num_cached_tokens == 0
@@ -94,7 +94,7 @@ def test_validation_and_capacity_errors_have_status_codes(loaded):
             s = stub(w)
             ep = "tcp://127.0.0.1:1"
             cases = [
-                (add_request_pb("a", [loaded.info.vocab_size], GREEDY, ep), "prompt_token_ids"),
+                (add_request_pb("a", [loaded.spec.vocab_size], GREEDY, ep), "prompt_token_ids"),
                 (add_request_pb("a", [1, 2], GREEDY, ""), "reply_endpoint"),
                 (add_request_pb("", [1, 2], GREEDY, ep), "request_id"),
             ]
@@ -163,7 +163,7 @@ def test_cancel_mid_stream_frees_every_block(loaded):
 
 def test_kv_events_are_consecutive_and_match_the_snapshot(loaded):
     ids = prompt(loaded, 17, seed=3)
-    hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.info.model_id, cache_salt="s"))
+    hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.spec.model_id, cache_salt="s"))
 
     async def body():
         ctx = zmq.asyncio.Context()

@@ -39,7 +39,7 @@ def stub(server_or_address) -> worker_pb2_grpc.WorkerStub:
 
 def prompt(loaded, n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, loaded.info.vocab_size, (n,), generator=g).tolist()
+    return torch.randint(3, loaded.spec.vocab_size, (n,), generator=g).tolist()
 
 
 def reference_tokens(loaded, ids: list[int], params: SamplingParams) -> dict[int, list[int]]:

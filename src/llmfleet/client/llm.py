@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmfleet.engine.engine import LLMEngine, RequestOutput
-from llmfleet.engine.sampler import TokenLogprobs
 from llmfleet.models.loader import LoadedModel, load_model
 from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.outputs import Completion
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.text.chat import tokenize_chat, tokenize_prompt
 from llmfleet.text.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
-
-
-@dataclass
-class Completion:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -155,18 +145,18 @@ class LLM:
         res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
         detok = detoks[(out.request_id, out.index)]
         comp.token_ids.extend(out.new_token_ids)
-        if any(lp is not None for lp in out.new_logprobs):
-            comp.logprobs.extend(out.new_logprobs)
+        comp.logprobs.extend(lp for lp in out.new_logprobs if lp is not None)
         text = detok.add_tokens(out.new_token_ids) if out.new_token_ids else ""
         finish_reason = out.finish_reason
         if detok.stop_reason is not None:
-            finish_reason, comp.stop_reason = "stop", detok.stop_reason
+            finish_reason, comp.stop_string = "stop", detok.stop_reason
             multi = len(res.completions) > 1
             seq_id = f"{out.request_id}#{out.index}" if multi else out.request_id
             self.engine.stop_request(seq_id, detok.stop_reason)
         elif finish_reason is not None:
             text += detok.finish()
-            comp.stop_reason = out.stop_reason
+            if isinstance(out.stop_reason, int):
+                comp.stop_token_id = out.stop_reason
         comp.text += text
         comp.finish_reason = finish_reason
         return StreamDelta(out.request_id, out.index, text, out.new_token_ids, finish_reason)

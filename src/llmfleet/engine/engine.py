@@ -65,7 +65,6 @@ from llmfleet.engine.request import Request, RequestStatus
 from llmfleet.engine.sampler import (
     Sampler,
     SamplingRow,
-    TokenLogprobs,
     device_only,
     small_tensor,
 )
@@ -74,6 +73,8 @@ from llmfleet.models.loader import LoadedModel, load_model
 from llmfleet.shared.core.block_hash import HashContext
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,24 +125,24 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
         self.model = loaded.model
-        self.info = loaded.info
+        self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(config.device)
-        if self.info.dtype != config.torch_dtype:  # the KV cache is made in the config's dtype
+        if self.spec.dtype != config.torch_dtype:  # the KV cache is made in the config's dtype
             raise ValidationError(
                 "dtype",
-                f"the model was loaded in {self.info.dtype}, the engine is configured for "
+                f"the model was loaded in {self.spec.dtype}, the engine is configured for "
                 f"{config.dtype}",
             )
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(
-            config.max_model_len or self.info.max_model_len, self.info.max_model_len
+            config.max_model_len or self.spec.max_model_len, self.spec.max_model_len
         )
         num_blocks = config.num_kv_blocks or max(
             1,
             config.kv_cache_bytes
-            // kv_bytes_per_block(self.info, config.block_size, config.torch_dtype),
+            // kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype),
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -153,7 +154,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model,
-            self.info,
+            self.spec,
             self.block_manager,
             dtype=config.torch_dtype,
             device=self.device,
@@ -226,7 +227,7 @@ class LLMEngine:
             raise ValidationError("request_id", f"{request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValidationError("prompt", "must not be empty")
-        vocab = self.info.vocab_size
+        vocab = self.spec.vocab_size
         for i, t in enumerate(prompt_token_ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValidationError(
@@ -257,8 +258,8 @@ class LLMEngine:
     ) -> list[Request]:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stop_ids.update(self.info.eos_token_ids)
-        context = HashContext(model_id=self.info.model_id, cache_salt=cache_salt)
+            stop_ids.update(self.spec.eos_token_ids)
+        context = HashContext(model_id=self.spec.model_id, cache_salt=cache_salt)
         seqs = []
         for i in range(params.n):
             generator = None
@@ -639,12 +640,12 @@ class LLMEngine:
                 "prompt_token_ids",
                 f"{len(prompt_token_ids)} tokens do not fill the {num_blocks} reserved blocks",
             )
-        if not 0 <= first_token_id < self.info.vocab_size:
+        if not 0 <= first_token_id < self.spec.vocab_size:
             raise ValidationError("first_token_id", f"{first_token_id} is outside the vocabulary")
         [req] = self._make_sequences(request_id, prompt_token_ids, params, cache_salt)
         if req.generator is not None and not params.greedy:
             # The sampler drew V exponentials from it for the first token (see sampler.py).
-            torch.empty(self.info.vocab_size, device=self.device).exponential_(
+            torch.empty(self.spec.vocab_size, device=self.device).exponential_(
                 generator=req.generator
             )
         del self._reserved[owner]
@@ -669,6 +670,21 @@ class LLMEngine:
         return self.block_manager.cached_hashes()
 
     # ---- stats -----------------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model as the API reports it: the checkpoint's identity, this engine's
+        context length and sampling limits."""
+        return ModelInfo(
+            model_id=self.spec.model_id,
+            architecture=self.spec.architecture,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.spec.eos_token_ids,
+            max_n=self.limits.max_n,
+            max_logprobs=self.limits.max_logprobs,
+            block_size=self.block_manager.block_size,
+        )
+
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks

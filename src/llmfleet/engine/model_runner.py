@@ -21,14 +21,14 @@ from llmfleet.engine.cuda_graphs import DecodeGraphs, PaddedDecoder
 from llmfleet.engine.request import Request
 from llmfleet.engine.scheduler import SchedulerOutput
 from llmfleet.models.attention.metadata import AttentionMetadata
-from llmfleet.models.loader import ModelInfo
+from llmfleet.models.loader import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * block_size * info.num_kv_heads * info.head_dim * elem * info.num_layers
+    return 2 * block_size * spec.num_kv_heads * spec.head_dim * elem * spec.num_layers
 
 
 @dataclass
@@ -44,27 +44,27 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        info: ModelInfo,
+        spec: ModelSpec,
         block_manager: BlockManager,
         *,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.model = model
-        self.info = info
+        self.spec = spec
         self.bm = block_manager
         self.device = device
         bs = block_manager.block_size
-        shape = (2, block_manager.num_blocks, bs, info.num_kv_heads, info.head_dim)
+        shape = (2, block_manager.num_blocks, bs, spec.num_kv_heads, spec.head_dim)
         # One cache tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim).
         self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             block_manager.num_blocks,
             bs,
-            block_manager.num_blocks * kv_bytes_per_block(info, bs, dtype) / 2**20,
+            block_manager.num_blocks * kv_bytes_per_block(spec, bs, dtype) / 2**20,
         )
         # The captured decode graphs (in CPU tests: the same padded path, run eagerly).
         self.decode_graphs: PaddedDecoder | None = None
@@ -85,7 +85,7 @@ class ModelRunner:
             self.kv_caches,
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
-            vocab_size=self.info.vocab_size,
+            vocab_size=self.spec.vocab_size,
         )
         graphs.capture()
         self.decode_graphs = graphs
@@ -154,7 +154,7 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
         if not sample_tokens:
-            return StepOutput(hidden.new_empty((0, self.info.vocab_size)), [])
+            return StepOutput(hidden.new_empty((0, self.spec.vocab_size)), [])
         if len(sample_tokens) != hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_tokens, device=self.device)]
         logits = self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32

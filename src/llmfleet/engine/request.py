@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmfleet.engine.sampler import TokenLogprobs
 from llmfleet.shared.core.block_hash import ROOT_HASH, HashContext, hash_block_chain
+from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 

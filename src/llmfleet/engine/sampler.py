@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 
@@ -57,15 +58,6 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]  # repetition_penalty (with the output)
     output_token_ids: Sequence[int]  # presence/frequency penalties and min_tokens
     stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + params.stop_token_ids
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of the sampled token, from the raw logits
-    rank: int  # 1 = most likely
-    top_token_ids: list[int]  # top-N (N = params.logprobs), most likely first
-    top_logprobs: list[float]
 
 
 @dataclass

@@ -53,7 +53,11 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ModelSpec:
+    """A loaded checkpoint's facts that the engine sizes itself by: identity, vocabulary, the
+    checkpoint's context length, KV dimensions and the dtype it was loaded in. (What the API
+    reports of a served model is `shared.core.model_info.ModelInfo`.)"""
+
     model_id: str
     architecture: str
     vocab_size: int
@@ -70,7 +74,7 @@ class ModelInfo:
 @dataclass
 class LoadedModel:
     model: CausalLM
-    info: ModelInfo
+    spec: ModelSpec
     tokenizer: PreTrainedTokenizerBase | None  # None: a token-ids-only model (random_model)
 
 
@@ -259,7 +263,7 @@ def build_model(
     return model.eval()
 
 
-def _model_info(
+def _model_spec(
     config: Any,
     model: DecoderForCausalLM,
     model_id: str,
@@ -267,8 +271,8 @@ def _model_info(
     *,
     eos_token_ids: tuple[int, ...] = (),
     bos_token_id: int | None = None,
-) -> ModelInfo:
-    return ModelInfo(
+) -> ModelSpec:
+    return ModelSpec(
         model_id=model_id,
         architecture=type(model).__name__,
         vocab_size=int(config.vocab_size),
@@ -305,7 +309,7 @@ def random_model(
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
     return LoadedModel(
-        model=model, info=_model_info(config, model, model_id, dtype), tokenizer=None
+        model=model, spec=_model_spec(config, model, model_id, dtype), tokenizer=None
     )
 
 
@@ -404,7 +408,7 @@ def load_model(
     bos = getattr(config, "bos_token_id", None)
     if bos is None:
         bos = tokenizer.bos_token_id
-    info = _model_info(
+    spec = _model_spec(
         config,
         model,
         model_id,
@@ -418,4 +422,4 @@ def load_model(
         model_id,
         time.perf_counter() - start,
     )
-    return LoadedModel(model=model, info=info, tokenizer=tokenizer)
+    return LoadedModel(model=model, spec=spec, tokenizer=tokenizer)

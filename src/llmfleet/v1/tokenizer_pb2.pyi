@@ -22,16 +22,16 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeStart(_message.Message):
-    __slots__ = ("prompt_token_ids", "stop", "include_stop_str_in_output", "keep_special_tokens")
+    __slots__ = ("prompt_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
-    keep_special_tokens: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
+    skip_special_tokens: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeTokens(_message.Message):
     __slots__ = ("token_ids", "finished")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmfleet.client.generation import Completion, GenerateResult, TokenLogprobs, Usage
+from llmfleet.client.messages import GenerateResult, Usage
 from llmfleet.services.gateway.errors import invalid
 from llmfleet.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -23,6 +23,7 @@ from llmfleet.services.gateway.protocol import (
     Endpoint,
 )
 from llmfleet.services.gateway.tokens import TokenSpeller
+from llmfleet.shared.core.outputs import Completion, TokenLogprobs
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -90,7 +91,7 @@ def _common(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
         "stop_token_ids": list(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
-        "keep_special_tokens": not req.skip_special_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
     }
 
 

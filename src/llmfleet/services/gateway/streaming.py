@@ -23,7 +23,8 @@ from typing import Any
 
 from starlette.types import Receive
 
-from llmfleet.client.generation import AsyncGenerateStream, ClientError, Delta
+from llmfleet.client.generation import AsyncGenerateStream, ClientError
+from llmfleet.client.messages import Delta
 from llmfleet.services.gateway import convert
 from llmfleet.services.gateway.convert import Call
 from llmfleet.services.gateway.errors import from_client_error

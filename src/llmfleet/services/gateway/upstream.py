@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from llmfleet.client.generation import AsyncGenerationClient, ClientError, ModelInfo
+from llmfleet.client.generation import AsyncGenerationClient, ClientError
 from llmfleet.services.gateway.errors import APIError, model_not_found
 from llmfleet.services.gateway.tokens import TokenSpeller
 from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.shared.core.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 

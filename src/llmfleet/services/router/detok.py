@@ -46,7 +46,7 @@ class DetokStream:
             prompt_token_ids=prompt_ids,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
-            keep_special_tokens=not params.skip_special_tokens,
+            skip_special_tokens=params.skip_special_tokens,
         )
         task = asyncio.ensure_future(self._write(tokenizer_pb2.DetokenizeRequest(start=start)))
         task.add_done_callback(_consume)  # a failure surfaces at the first feed

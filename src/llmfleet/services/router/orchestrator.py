@@ -38,17 +38,17 @@ from llmfleet.services.router.registry import (
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_UNIFIED,
-    ModelSpec,
     WorkerRegistry,
 )
 from llmfleet.services.router.replies import ReplyReceiver
-from llmfleet.services.router.request import Aborted, Completion, Leg, RequestRun, WorkerFailed
+from llmfleet.services.router.request import Aborted, CompletionState, Leg, RequestRun, WorkerFailed
 from llmfleet.services.router.routing import Policy, make_policy
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, LLMFleetError, ValidationError
 from llmfleet.shared.core.kv_index import KVSnapshot
+from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.wire.convert import FINISH_FROM_PB
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
@@ -148,7 +148,7 @@ class Router:
     def usable(self) -> bool:
         return bool(self.registry.live(self.placement.serving_role))
 
-    def model(self) -> ModelSpec | None:
+    def model(self) -> ModelInfo | None:
         roles = (ROLE_PREFILL, ROLE_DECODE) if self.disaggregated else (ROLE_UNIFIED,)
         return self.registry.model(roles)
 
@@ -209,7 +209,7 @@ class Router:
                     ctx = HashContext(model.model_id, req.cache_salt)
                     hashes = hash_block_chain(prompt_ids, model.block_size, ctx)
                 completions = [
-                    Completion(i, DetokStream(self.tokenizer, trace_ctx, i))
+                    CompletionState(i, DetokStream(self.tokenizer, trace_ctx, i))
                     for i in range(params.n)
                 ]
                 run = RequestRun(

@@ -23,7 +23,7 @@ import grpc
 from llmfleet.services.router import metrics, spans
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
-from llmfleet.services.router.request import Completion, Leg, RequestRun
+from llmfleet.services.router.request import CompletionState, Leg, RequestRun
 from llmfleet.services.router.routing import Candidate, Policy
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
@@ -253,7 +253,7 @@ class Placement:
             )
 
 
-def _continuation(params: SamplingParams, c: Completion) -> SamplingParams:
+def _continuation(params: SamplingParams, c: CompletionState) -> SamplingParams:
     """Sampling for completion `c` resumed elsewhere after `len(c.token_ids)` streamed tokens."""
     done = len(c.token_ids)
     return dataclasses.replace(

@@ -15,8 +15,8 @@ import grpc
 from opentelemetry.context import Context
 
 from llmfleet.services.router.placement import CONTROL_TIMEOUT_S, field_error
-from llmfleet.services.router.registry import ModelSpec
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 from llmfleet.shared.wire.convert import sampling_from_pb
 from llmfleet.shared.wire.service import Unavailable
@@ -41,7 +41,7 @@ async def prompt_token_ids(
     tokenizer: tokenizer_pb2_grpc.TokenizerStub,
     req: generation_pb2.GenerateRequest,
     kind: str,
-    model: ModelSpec,
+    model: ModelInfo,
     trace: Context | None = None,
 ) -> list[int]:
     """The prompt's token ids (`trace`: the request's context, sent along to the tokenizer)."""
@@ -73,7 +73,7 @@ async def prompt_token_ids(
     return list(resp.token_ids)
 
 
-def check_sampling(params: SamplingParams, model: ModelSpec, num_prompt_tokens: int) -> None:
+def check_sampling(params: SamplingParams, model: ModelInfo, num_prompt_tokens: int) -> None:
     limits = SamplingLimits(max_n=model.max_n, max_logprobs=model.max_logprobs)
     try:
         params.check_against(

@@ -13,24 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from llmfleet.shared.core.model_info import ModelInfo
+
 ROLE_UNIFIED = "unified"
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 ROLES = (ROLE_UNIFIED, ROLE_PREFILL, ROLE_DECODE)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a worker serves (ModelInfo at the boundary)."""
-
-    model_id: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    max_n: int = 16
-    max_logprobs: int = 20
-    architecture: str = ""
-    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,7 +42,7 @@ class WorkerInfo:
     role: str
     address: str
     kv_events_endpoint: str
-    model: ModelSpec
+    model: ModelInfo
     load: Load = field(default_factory=Load)
     last_heartbeat: float = 0.0  # clock() seconds
 
@@ -85,7 +73,7 @@ class WorkerRegistry:
         role: str,
         address: str,
         kv_events_endpoint: str,
-        model: ModelSpec,
+        model: ModelInfo,
         load: Load | None = None,
     ) -> Registration:
         if role not in ROLES:
@@ -145,7 +133,7 @@ class WorkerRegistry:
     def all(self) -> list[WorkerInfo]:
         return list(self._workers.values())
 
-    def model(self, roles: tuple[str, ...] = ROLES) -> ModelSpec | None:
+    def model(self, roles: tuple[str, ...] = ROLES) -> ModelInfo | None:
         """The served model as the live workers of `roles` agree on it: the first one's id and
         block size, the tightest of their limits. None when no such worker is live."""
         specs = [w.model for w in self.live() if w.role in roles]

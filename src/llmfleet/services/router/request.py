@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 
 from llmfleet.services.router.detok import DetokStream
-from llmfleet.services.router.registry import ModelSpec
+from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 
@@ -48,7 +48,10 @@ class Leg:
 
 
 @dataclass
-class Completion:
+class CompletionState:
+    """The router's bookkeeping of one completion in flight: its detokenizer stream and the
+    tokens streamed so far (what a migration resubmits)."""
+
     index: int
     detok: DetokStream
     token_ids: list[int] = field(default_factory=list)
@@ -73,9 +76,9 @@ class RequestRun:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str
-    model: ModelSpec
+    model: ModelInfo
     block_hashes: list[bytes]
-    completions: list[Completion]
+    completions: list[CompletionState]
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
     legs: dict[str, Leg] = field(default_factory=dict)

@@ -25,9 +25,15 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmfleet.services.router.orchestrator import Router
-from llmfleet.services.router.registry import ROLES, Load, ModelSpec
+from llmfleet.services.router.registry import ROLES, Load
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.shared.wire.convert import (
+    ROLE_FROM_PB,
+    ROLE_TO_PB,
+    model_info_from_pb,
+    model_info_to_pb,
+)
 from llmfleet.shared.wire.service import Service, abort_with
 from llmfleet.shared.wire.tracing import context_from_metadata
 from llmfleet.v1 import (
@@ -43,13 +49,6 @@ logger = logging.getLogger(__name__)
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 REGISTRY = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
-
-_ROLE_FROM_PB = {
-    common_pb2.WORKER_ROLE_UNIFIED: "unified",
-    common_pb2.WORKER_ROLE_PREFILL: "prefill",
-    common_pb2.WORKER_ROLE_DECODE: "decode",
-}
-_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
 
 
 def _version() -> str:
@@ -79,36 +78,6 @@ def load_to_pb(load: Load) -> common_pb2.LoadReport:
     )
 
 
-def model_from_pb(pb: common_pb2.ModelInfo) -> ModelSpec:
-    if not pb.model_id:
-        raise ValidationError("model.model_id", "must not be empty")
-    if pb.vocab_size < 1 or pb.max_model_len < 1 or pb.block_size < 1:
-        raise ValidationError("model", "vocab_size, max_model_len and block_size must be >= 1")
-    return ModelSpec(
-        model_id=pb.model_id,
-        vocab_size=pb.vocab_size,
-        max_model_len=pb.max_model_len,
-        block_size=pb.block_size,
-        max_n=pb.max_n or 1,
-        max_logprobs=pb.max_logprobs,
-        architecture=pb.architecture,
-        eos_token_ids=tuple(pb.eos_token_ids),
-    )
-
-
-def model_to_pb(m: ModelSpec) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(
-        model_id=m.model_id,
-        architecture=m.architecture,
-        vocab_size=m.vocab_size,
-        max_model_len=m.max_model_len,
-        eos_token_ids=list(m.eos_token_ids),
-        max_n=m.max_n,
-        max_logprobs=m.max_logprobs,
-        block_size=m.block_size,
-    )
-
-
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -119,12 +88,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         try:
             if not request.worker_id:
                 raise ValidationError("worker_id", "must not be empty")
-            role = _ROLE_FROM_PB.get(request.role)
+            role = ROLE_FROM_PB.get(request.role)
             if role not in ROLES:
                 raise ValidationError("role", "must be unified, prefill or decode")
             if not request.address:
                 raise ValidationError("address", "must not be empty")
-            model = model_from_pb(request.model)
+            model = model_info_from_pb(request.model)
             reg = self.router.registry.register(
                 request.worker_id,
                 role,
@@ -187,7 +156,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model = self.router.model()
         if model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker serves a model")
-        return generation_pb2.GetModelInfoResponse(model=model_to_pb(model))
+        return generation_pb2.GetModelInfoResponse(model=model_info_to_pb(model))
 
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -200,7 +169,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             workers=[
                 generation_pb2.WorkerStatus(
                     worker_id=w.worker_id,
-                    role=_ROLE_TO_PB[w.role],
+                    role=ROLE_TO_PB[w.role],
                     address=w.address,
                     load=load_to_pb(w.load),
                     num_indexed_blocks=self.router.kv.index.num_blocks(w.worker_id),

@@ -188,7 +188,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             return IncrementalDetokenizer(
                 tokenizer,
                 prompt_ids,
-                skip_special_tokens=not start.keep_special_tokens,
+                skip_special_tokens=(
+                    start.skip_special_tokens if start.HasField("skip_special_tokens") else True
+                ),
                 stop=list(start.stop),
                 include_stop_str_in_output=start.include_stop_str_in_output,
             )

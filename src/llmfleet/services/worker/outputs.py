@@ -92,7 +92,7 @@ class StepMetrics:
     the engine (which publishes the cache configuration once)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        name = engine.info.model_id
+        name = engine.spec.model_id
         bm = engine.block_manager
         CACHE_CONFIG_INFO.labels(
             name,

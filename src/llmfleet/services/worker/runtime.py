@@ -53,7 +53,7 @@ from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
-from llmfleet.shared.wire.convert import model_info_to_pb
+from llmfleet.shared.wire.convert import ROLE_TO_PB, model_info_to_pb
 from llmfleet.shared.wire.kv_events import KVEventPublisher
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.wire.service import FailedPrecondition, Service
@@ -63,11 +63,6 @@ from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "llmfleet.v1.Worker"
-ROLE_TO_PB = {
-    "unified": common_pb2.WORKER_ROLE_UNIFIED,
-    "prefill": common_pb2.WORKER_ROLE_PREFILL,
-    "decode": common_pb2.WORKER_ROLE_DECODE,
-}
 
 
 @dataclass
@@ -149,13 +144,13 @@ class WorkerRuntime:
         self._loaded = None  # the engine owns it now
         engine = self.engine = await thread.run(LLMEngine, self.ec, loaded)
         engine.drain_kv_events()  # turns event recording on
-        self.model_name = engine.info.model_id
+        self.model_name = engine.spec.model_id
         L, _, bs, H, D = engine.kv_block_shape
         dtype = dtype_name(engine.kv_dtype)
         self.kv_layout = dataplane_pb2.KVLayout(
             num_layers=L, block_size=bs, num_kv_heads=H, head_dim=D, dtype=dtype
         )
-        self.kv_layout_key = kv_layout_key(engine.info.model_id, L, bs, H, D, dtype)
+        self.kv_layout_key = kv_layout_key(engine.spec.model_id, L, bs, H, D, dtype)
 
         self.publisher = KVEventPublisher(self._ctx, self.wc.host, self.worker_id)
         self.kv_events_endpoint = self.publisher.endpoint
@@ -350,7 +345,7 @@ class WorkerRuntime:
         """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached."""
         engine, loop = self._engine_loop()
         hashes = hash_block_chain(
-            prompt, self.ec.block_size, HashContext(engine.info.model_id, cache_salt)
+            prompt, self.ec.block_size, HashContext(engine.spec.model_id, cache_salt)
         )
         kvstore = self.kvstore
         rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
@@ -429,12 +424,6 @@ class WorkerRuntime:
             role=ROLE_TO_PB[self.role],
             address=self.address,
             kv_events_endpoint=self.kv_events_endpoint,
-            model=model_info_to_pb(
-                engine.info,
-                max_model_len=engine.max_model_len,
-                max_n=self.ec.max_n,
-                max_logprobs=self.ec.max_logprobs,
-                block_size=self.ec.block_size,
-            ),
+            model=model_info_to_pb(engine.model_info),
             load=self._load_report(),
         )

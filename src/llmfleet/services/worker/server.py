@@ -19,10 +19,10 @@ import grpc
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.worker.decode_side import DecodeSide
 from llmfleet.services.worker.prefill_side import Cancelled
-from llmfleet.services.worker.runtime import ROLE_TO_PB, SERVICE_NAME, WorkerRuntime
+from llmfleet.services.worker.runtime import SERVICE_NAME, WorkerRuntime
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
-from llmfleet.shared.wire.convert import sampling_from_pb
+from llmfleet.shared.wire.convert import ROLE_TO_PB, sampling_from_pb
 from llmfleet.shared.wire.service import FailedPrecondition, abort_with
 from llmfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 

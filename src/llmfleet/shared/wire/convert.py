@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmfleet.engine.sampler import TokenLogprobs
-from llmfleet.models.loader import ModelInfo
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.v1 import common_pb2
 
 _OPTIONAL_SAMPLING = (
     "n", "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+    "skip_special_tokens",
 )  # fmt: skip
 
 FINISH_TO_PB = {
@@ -25,6 +26,12 @@ FINISH_TO_PB = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+ROLE_TO_PB = {
+    "unified": common_pb2.WORKER_ROLE_UNIFIED,
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+}
+ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
@@ -37,7 +44,6 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prefix: str = "sampling") ->
             stop_token_ids=tuple(pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
             include_stop_str_in_output=pb.include_stop_str_in_output,
-            skip_special_tokens=not pb.keep_special_tokens,
             **kwargs,  # type: ignore[arg-type]
         )
     except ValidationError as e:
@@ -60,7 +66,7 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
-        keep_special_tokens=not p.skip_special_tokens,
+        skip_special_tokens=p.skip_special_tokens,
     )
     if p.seed is not None:
         pb.seed = p.seed
@@ -90,18 +96,30 @@ def logprobs_from_pb(pb: common_pb2.PositionLogprobs) -> TokenLogprobs:
     )
 
 
-def model_info_to_pb(
-    info: ModelInfo, *, max_model_len: int, max_n: int, max_logprobs: int, block_size: int
-) -> common_pb2.ModelInfo:
+def model_info_to_pb(info: ModelInfo) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model_id=info.model_id,
         architecture=info.architecture,
         vocab_size=info.vocab_size,
-        max_model_len=max_model_len,
+        max_model_len=info.max_model_len,
         eos_token_ids=list(info.eos_token_ids),
-        max_n=max_n,
-        max_logprobs=max_logprobs,
-        block_size=block_size,
+        max_n=info.max_n,
+        max_logprobs=info.max_logprobs,
+        block_size=info.block_size,
+    )
+
+
+def model_info_from_pb(pb: common_pb2.ModelInfo) -> ModelInfo:
+    """Raises ValidationError naming the `model.*` field that is missing or out of range."""
+    return ModelInfo(
+        model_id=pb.model_id,
+        architecture=pb.architecture,
+        vocab_size=pb.vocab_size,
+        max_model_len=pb.max_model_len,
+        eos_token_ids=tuple(pb.eos_token_ids),
+        max_n=pb.max_n or 1,
+        max_logprobs=pb.max_logprobs,
+        block_size=pb.block_size,
     )
 
 
