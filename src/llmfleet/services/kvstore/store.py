@@ -2,7 +2,7 @@
 
 A block is keyed by (layout key, 32-byte block hash) and is one opaque payload: the KV of one
 block for every layer, shape (num_layers, 2, block_size, num_kv_heads, head_dim), as produced by
-`shared/transport.tensor_frame`. The store never looks inside a payload.
+`shared.wire.transport.tensor_frame`. The store never looks inside a payload.
 
 Tiers are exclusive: a block lives in RAM or on disk, never both.
 
