@@ -21,7 +21,8 @@ import time
 import torch
 
 from llmfleet.engine.engine import LLMEngine
-from llmfleet.models.loader import load_model, resolve_model_path
+from llmfleet.models.checkpoint_files import resolve_model_path
+from llmfleet.models.loader import load_model
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
 

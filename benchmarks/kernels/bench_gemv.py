@@ -23,9 +23,8 @@ entries (kernels/configs/gemv_silu/ and skinny_gemm_silu/).
 
 Our kernels are timed and chosen without programmatic dependent launch (PDL), like cuBLAS;
 the "PDL us" column times the best candidate with it. Back to back, copies of one kernel
-launched early under PDL can read slower than plain launches (on an H200 the o and down
-shapes did), while in a decode step, whose kernels alternate with small ones, PDL saved time
-(docs/benchmarks.md).
+launched early under PDL can read slower than plain launches, while in a decode step, whose
+kernels alternate with small ones, PDL saves time.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def gemv_candidates(m: int, n: int, k: int, group: int) -> list[gv.GemvConfig | 
                 out.append(mma.MmaConfig(warps, rep, blocks, 0, True, regs))
     if m > 1 and mma.mma_supported(torch.bfloat16):
         shape = mma.MmaConfig(2, 2, 4)
-        for per_sm in (4, 8):  # the earlier rule: a fixed number of programs per SM
+        for per_sm in (4, 8):  # the alternative to wave_split: fixed programs per SM
             split = even_split(shape.steps(k), triton.cdiv(n, shape.block_n), per_sm)
             out.append(mma.MmaConfig(2, 2, 4, split))
     return out

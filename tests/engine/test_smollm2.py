@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmfleet.client.llm import LLM
-from llmfleet.models.loader import load_model, resolve_model_path
+from llmfleet.models.checkpoint_files import resolve_model_path
+from llmfleet.models.loader import load_model
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
 

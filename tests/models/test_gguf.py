@@ -21,7 +21,8 @@ from tiny_models import (
     save_checkpoint,
 )
 
-from llmfleet.models.loader import load_model, resolve_model_path
+from llmfleet.models.checkpoint_files import resolve_model_path
+from llmfleet.models.loader import load_model
 from llmfleet.shared.core.errors import ModelLoadError
 
 Q = gguf.GGMLQuantizationType

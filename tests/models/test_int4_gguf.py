@@ -30,7 +30,8 @@ from llmfleet.models.int4_linear import (
     PackedInt4,
     unloaded_int4_linears,
 )
-from llmfleet.models.loader import keeps_int4, load_model
+from llmfleet.models.int4_loading import keeps_int4
+from llmfleet.models.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

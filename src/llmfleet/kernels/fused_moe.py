@@ -256,8 +256,7 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict[str, i
 
 # A tuned entry serves token counts up to this factor away from the M it was tuned at. Tables
 # tuned at 1, 16, 64, 512, 4096 cover every M up to 16384; a sparse one does not stretch a
-# decode tile over prefill sizes (an H200 table of M = 1, 64, 4096 once ran M = 512 on the
-# M = 64 tile, at 2.2x the time of the right one).
+# decode tile over prefill sizes, where such a tile is far slower.
 ENTRY_REACH = 4
 
 
@@ -314,9 +313,9 @@ def weight_tma(enabled: bool) -> Iterator[None]:
 def _weight_descriptor(b: torch.Tensor, cfg: dict[str, int]) -> TensorDescriptor | None:
     """A descriptor over B's rows (E * rows, K) for the GEMM's (BLOCK_N, BLOCK_K) tiles, or None
     for pointer loads. By default (see `weight_tma`) only compiled on NVIDIA sm_90 and later,
-    for tensor-core tiles (BLOCK_M >= 64, prefill sizes): on an H200 the descriptors took the
-    bf16 GEMMs 6-9% lower at M = 512 and 4096 and FP8 2-6%, but made FP8 at M = 1 3-13%
-    slower (decode tiles were otherwise unchanged). TMA also needs every row 16-byte aligned."""
+    for tensor-core tiles (BLOCK_M >= 64, prefill sizes), where TMA speeds up the GEMMs;
+    decode tiles gain nothing from it and FP8 ones lose. TMA also needs every row 16-byte
+    aligned."""
     use = _weight_tma
     if use is None:
         use = (

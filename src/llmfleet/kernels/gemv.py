@@ -3,13 +3,12 @@
     x (1, K) · W (N, K)ᵀ [+ bias (N,)]  ->  out (1, N)
 
 At M = 1 a linear layer is a stream over its weight: N K 16-bit values read once, two FLOPs
-each. cuBLAS serves some of Llama's shapes at well under the bandwidth it reaches on others
-(on an H100: the 4096 x 4096 o projection at about 61% of copy bandwidth, q/k/v at 75%, while
-gate/up reaches 94%). This kernel gives every program BLOCK_N whole rows of W, streams them
-along K in BLOCK_K-wide tiles (16-byte loads, marked evict-first: each weight is used once),
-and multiplies in float32 into a (BLOCK_N, BLOCK_K) accumulator that is reduced once at the
-end, so the loop is loads and FMAs only. No split-K: a row's sum stays in one program, so
-there is no workspace or atomic, and the result is deterministic.
+each. cuBLAS serves some of Llama's shapes (the square o projection, q/k/v) at well under the
+bandwidth it reaches on others. This kernel gives every program BLOCK_N whole rows of W,
+streams them along K in BLOCK_K-wide tiles (16-byte loads, marked evict-first: each weight is
+used once), and multiplies in float32 into a (BLOCK_N, BLOCK_K) accumulator that is reduced
+once at the end, so the loop is loads and FMAs only. No split-K: a row's sum stays in one
+program, so there is no workspace or atomic, and the result is deterministic.
 
 Two epilogue options save a kernel each in a decode step:
   - gated: W is a fused [gate | up] (2I, K) projection and the result is the SwiGLU
@@ -101,9 +100,8 @@ def _gemv_kernel(
 
 
 def default_gemv_config(n: int, k: int) -> GemvConfig:
-    """Untuned choice: within 2.5% of the fastest candidate on every Llama-3-8B projection
-    shape of `bench_gemv`'s H100 sweep (the fastest differs by shape and by device, hence the
-    tuned files)."""
+    """Untuned choice, close to the fastest candidate on every Llama-3-8B projection shape of
+    `bench_gemv` (the fastest differs by shape and by device, hence the tuned files)."""
     return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=1)
 
 

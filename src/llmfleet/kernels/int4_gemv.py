@@ -17,34 +17,26 @@ arithmetic per weight is kept small enough to hide under that read:
   (0x4B000000): as float32 that is f = 2**23 + q 2**B exactly. Then one FMA gives the weight:
   w = q s - z = f (s 2**-B) - (2**(23 - B) s + z), with the two factors computed once per
   group. Rounding the second factor costs at most 2**-(B + 1) s: under the 16-bit rounding
-  that w gets before a dot, and about 2e-4 relative in float32 (measured against the float32
-  reference: 1e-5 .. 3e-4).
+  that w gets before a dot.
 
 Two kernels: M == 1 runs on the CUDA cores, a (BLOCK_KP, BLOCK_N) float32 accumulator reduced
 over packed rows once at the end, with the next step's words and scales loaded before the
 current step is computed (register double buffering: these loads feed no dot, so Triton's
 pipeliner leaves them alone). For bfloat16 activations on NVIDIA GPUs the products of a word
 are formed two at a time in bf16x2 registers by a few lines of PTX (`_BF16X2_DOT8`: about two
-instructions per weight) and their sum is scaled in float32, W x = s sum(q x) - z sum(x);
-otherwise each weight is dequantized in float32 as above. 1 < M <= 16 runs on the tensor
-cores with the operands swapped: out^T = W^T x^T, so the dequantized (BLOCK_N, 8 BLOCK_KP)
-weight tile, its eight nibble positions joined back into k order in registers, is the dot's
-first operand (Hopper's wgmma reads it from registers) and x^T (8 BLOCK_KP, 16 tokens) the
-second, loaded contiguously and staged through shared memory by the pipeliner.
+instructions per weight; the products are rounded to bf16, so the result is coarser than the
+float32 path's) and their sum is scaled in float32, W x = s sum(q x) - z sum(x); otherwise
+each weight is dequantized in float32 as above. 1 < M <= 16 runs on the tensor cores with the
+operands swapped: out^T = W^T x^T, so the dequantized (BLOCK_N, 8 BLOCK_KP) weight tile, its
+eight nibble positions joined back into k order in registers, is the dot's first operand
+(Hopper's wgmma reads it from registers) and x^T (8 BLOCK_KP, 16 tokens) the second, loaded
+contiguously and staged through shared memory by the pipeliner. (With x as the first operand,
+every nibble position's activation slice would cross shared memory, with two barriers, on its
+way into the dot; swapped, one exchange of the weight tile per step remains.)
 
-Measured (docs/benchmarks.md): the float32 M == 1 loop issues about 5.7 instructions per weight
-(SASS) and runs at 1.5-1.6x the bf16 matmul on an H200, 1.9-2.3x on an H100; the bf16x2 one
-at 2.4-2.9x on an H100 (relative error 4e-3 against the float32 reference, from the bf16
-rounding of the products). The swapped dot kernel runs at 1.4-1.8x at M = 4 and 16 on an
-H100, where the earlier one (x as the first operand) ran under the bf16 matmul: every nibble
-position's activation slice crossed shared memory with two barriers on its way into the dot.
-What is left in the swapped kernel is one exchange of the weight tile through shared memory
-into the wgmma operand layout per step.
-
-On NVIDIA GPUs from sm_80 on, every M <= 16 runs `int4_mma` instead (a Gluon kernel whose
-weight registers are the tensor-core operand as loaded, no shared memory: 1.4-1.6x faster than
-the swapped dot kernel at M = 4, and at M = 1 12.6-13.0 us against 15.0-15.4 for the bf16x2
-kernel on an H200); the kernels here stay for other GPUs and the CPU interpreter.
+On NVIDIA GPUs from sm_80 on, every M <= 16 runs `int4_mma` instead, a faster Gluon kernel
+whose weight registers are the tensor-core operand as loaded (no shared memory); the kernels
+here stay for other GPUs and the CPU interpreter.
 
 Split-K partial sums meet in a float32 workspace by atomic adds; the last program to finish a
 column slice (per-slice arrival counter) reads the sums at L2, writes `out` in the activation
@@ -375,13 +367,12 @@ def _int4_gemv_dot_kernel(
 def default_gemv_config(
     m: int, n: int, k: int, group_size: int, dtype: torch.dtype = torch.bfloat16
 ) -> GemvConfig:
-    """Block shape and split for M <= 16, the fastest of sweeps over 4096 x 14336 weights
-    both ways, groups 32 and 128, on 132-SM parts. M == 1 takes the CUDA-core kernel with
-    64-column slices split to about 7 programs per SM: for bfloat16 with bf16x2 products and
-    32 packed rows per step on long K (H100), else in float32 with 16 (H200). Larger M takes
-    the tensor-core kernel: 64 columns (128 for groups of 32, whose per-row scales make
-    narrow tiles dearer), 16 packed rows per step, 4 warps, 3 stages, split to about 3
-    programs per SM (H100)."""
+    """Block shape and split for M <= 16, tuned on 8B-class projection shapes (groups of 32
+    and 128) for 132-SM parts. M == 1 takes the CUDA-core kernel with 64-column slices split
+    to about 7 programs per SM: for bfloat16 with bf16x2 products and 32 packed rows per step
+    on long K, else in float32 with 16. Larger M takes the tensor-core kernel: 64 columns (128
+    for groups of 32, whose per-row scales make narrow tiles dearer), 16 packed rows per step,
+    4 warps, 3 stages, split to about 3 programs per SM."""
     if m == 1:
         packed = dtype == torch.bfloat16 and packed_products_supported()
         block_kp = 32 if packed and k >= 8192 else 16
@@ -392,8 +383,8 @@ def default_gemv_config(
 
 def split_k(m: int, n: int, k: int, block_n: int, block_kp: int, per_sm: float) -> int:
     """The K split that brings the grid to about `per_sm` programs per SM of a 132-SM part:
-    for M == 1 the largest power of two not past it (the float32 and bf16x2 kernels were
-    swept that way), for the dot kernel the nearest count, evened out so no split is empty."""
+    for M == 1 the largest power of two not past it (the splits its configs were tuned with),
+    for the dot kernel the nearest count, evened out so no split is empty."""
     steps = triton.cdiv(k // 8, block_kp)
     if m == 1:
         tiles = triton.cdiv(n, block_n)

@@ -39,8 +39,8 @@ class Int4Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    # Load each word once and reshape nibbles (False), or one word load per k row (True):
-    # on H200 the per-row loads ran 5-10x slower, so they stay only as a tested alternative.
+    # Load each word once and reshape nibbles (False), or one word load per k row (True): the
+    # per-row loads are much slower and stay only as a tested alternative.
     unpack_by_load: bool = False
 
 
@@ -145,7 +145,7 @@ def _interpreting() -> bool:
 
 
 def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
-    """Block shapes by M (best of a small sweep on H200, bench_matmul_moe): at decode sizes
+    """Block shapes by M (tuned with bench_matmul_moe): at decode sizes
     narrow-M tiles streaming the packed weight, split over K to about 1.5 waves of 132 SMs;
     wider tensor-core tiles for prefill. BLOCK_K divides or is a multiple of the group size."""
     if m <= 16:

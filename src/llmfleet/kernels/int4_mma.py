@@ -37,10 +37,10 @@ projections of 8B-class models; not SmolLM2's hidden 576) no load carries a mask
 column's scale and negated zero are paired into a bf16x2 register once per step, not once per
 word. With split-K, every program stores its partial sums to a scratch slab of its own, with
 16-byte stores (the sums renamed in registers so that each lane holds four consecutive), not
-atomics (float32 atomic adds of the 16 x 64 sums took a quarter of the time at M = 16); the
-last program of a column tile to arrive adds the slabs in split order, so the result does not
-depend on the order of arrival (slabs and counters are per device, so calls on one device
-must be ordered: one stream, as the engine runs). The split is chosen per call
+float32 atomic adds, which cost more than the slab round trip; the last program of a column
+tile to arrive adds the slabs in split order, so the result does not depend on the order of
+arrival (slabs and counters are per device, so calls on one device must be ordered: one
+stream, as the engine runs). The split is chosen per call
 (`MmaConfig.split_k` 0) from how many programs of the compiled kernel fit on an SM, so that
 the grid does not spill a few programs into a second wave (`triton_utils.wave_split`).
 
@@ -53,16 +53,11 @@ group's scale and zero afterwards, per column:
     sum_k (q s - z) x = s sum_k (c + q) x - (c s + z) sum_k x        (c the magic)
 
 That drops the two packed FMAs per pair of weights for two float32 FMAs per output sum and
-step, and the weights are no longer rounded to 16 bits before the dot: the relative error
-against the float32 reference falls from 2.5e-3 to about 1e-4.
+step, and the weights are not rounded to 16 bits before the dot, so the result is closer to
+the float32 reference.
 
 Needs an NVIDIA GPU of sm_80 or later and Triton with Gluon (run on 3.6, compiled on 3.9);
-`int4_gemv` serves everything else. Measured on an H100 (docs/benchmarks.md): M = 4 in
-15.1-18.2 us on a 4096 x 14336 weight, against 25-30 us for the Triton tensor-core kernel and
-41-45 us for the bf16 matmul; M = 16 in 17.8-21.7 us. Neither fewer instructions per step
-(no x pairing, no register copies between steps) nor a deeper load pipeline (words, scales
-and x through shared memory, 2-4 stages) made it faster; the split-K epilogue's chain of
-stores, release, counter and reads is what the 16-byte slabs shortened.
+`int4_gemv` serves everything else (current timings: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -405,8 +400,8 @@ if HAVE_GLUON:
         if SPLIT_K == 1:
             gl.store(out_ptr + o_off, sums.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
-            # each split stores its partial sums to a slab of its own (plain 16-byte stores:
-            # atomics cost 6 us of 22 at M = 16); the last to arrive adds them in split order
+            # each split stores its partial sums to a slab of its own (plain 16-byte stores,
+            # cheaper than atomics); the last to arrive adds them in split order
             slab = ws_ptr + pid_n.to(gl.int64) * (SPLIT_K * tile)
             gl.store(slab + pid_k * tile + f, sums)
             _barrier()  # every thread's stores are issued before the counter's release
@@ -432,13 +427,10 @@ def mma_supported(dtype: torch.dtype) -> bool:
     )
 
 
-# 2 warps of 2 row tiles, 128 k per step, split per call: the fastest or within 1 us of the
-# fastest of nine shapes at M = 4, 8 and 16 on an H100, 4096 x 14336 weights both ways, groups
-# 32 and 128 (docs/benchmarks.md, ninth session). Up to 8 rows the scales go after the dot,
-# compiled with at most 128 registers: on an H200 7-9% faster at M = 1..8 than dequantizing
-# first, on an H100 within 2% (without the limit ptxas chose about 80 registers and it was
-# slower); at M = 16 the extra float32 work per step made it 2-7% slower (docs/benchmarks.md,
-# fifteenth session).
+# 2 warps of 2 row tiles, 128 k per step, split per call: the best shape at M = 4 to 16 on
+# 8B-class projections, for both group sizes. Up to 8 rows the scales go after the dot,
+# compiled with at most 128 registers (left to itself ptxas allots fewer and the kernel runs
+# slower); at 16 rows the extra float32 work per step outweighs the FMAs it saves.
 DEFAULT_MMA_CONFIG = MmaConfig(2, 2, 4, 0)
 DEFAULT_MMA_CONFIG_8 = MmaConfig(2, 2, 4, 0, scales_after=True, max_regs=128)
 

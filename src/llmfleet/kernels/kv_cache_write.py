@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmfleet.kernels.paged_kv import check_kv_cache, kv_write_strides
 from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 
@@ -61,19 +62,13 @@ def _kv_cache_write_kernel(
 def check_kv_write_args(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache must be (2, blocks, block_size, heads, dim), got {kv_cache.shape}"
-        )
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     if k.dim() != 3 or k.shape != v.shape or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"k/v must be (tokens, {num_kv_heads}, {head_dim}), got {k.shape}, {v.shape}"
         )
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must be int64 ({k.shape[0]},), got {slot_mapping.dtype}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
 
 
 def kv_cache_write(
@@ -96,14 +91,7 @@ def kv_cache_write(
         v,
         kv_cache,
         slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
+        *kv_write_strides(k, v, kv_cache),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,

@@ -38,14 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import (
-    check_last_dim_contiguous,
-    check_q_and_kv_cache,
-    interpreting,
-    launchable,
-    pdl,
-    pdl_start,
-)
+from llmfleet.kernels.paged_kv import attention_output, attention_strides, check_q_and_kv_cache
+from llmfleet.kernels.triton_utils import interpreting, launchable, pdl, pdl_start
 
 LOG2E = 1.4426950408889634
 
@@ -185,10 +179,8 @@ def _decode_reduce_kernel(
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters. `partition_size` None = chosen from the batch to fill the GPU.
-
-    Defaults from a sweep on an H200 (bf16, batch 64 x 4096, 32/8 heads x 128): 64/4/3 and
-    32/4/2 tie at 0.265 ms (95% of copy bandwidth); 8 warps or 128-token tiles are 2-13% slower.
-    """
+    The defaults are the fastest tile and pipeline of `bench_attention --sweep` at 8B-class
+    decode shapes (more warps or 128-token tiles are slower)."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -223,7 +215,7 @@ def choose_partitions(
     for ~4 programs per SM, into partitions of at least `min_partition` tokens. A batch that
     already gives nearly that many (64 sequences x 8 KV heads on 132 SMs: 3.9 per SM) is not
     split: a second partition would add the reduction pass and the partial results' round
-    trip for no more parallelism (H200, Llama-3-8B batch-64 decode step: 7.07 vs 7.32 ms)."""
+    trip for no more parallelism."""
     min_part = math.ceil(max(min_partition, block_n) / block_n) * block_n
     base_programs = max(num_seqs * num_kv_heads, 1)
     want_parts = max(1, (4 * num_sms) // base_programs)
@@ -237,7 +229,7 @@ def _check(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    block_size, num_kv_heads, head_dim = check_q_and_kv_cache(q, kv_cache)
+    check_q_and_kv_cache(q, kv_cache)
     num_seqs = q.shape[0]
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (num_seqs,):
         raise ValueError(
@@ -247,8 +239,6 @@ def _check(
         raise ValueError(f"block_tables must be int32 (seqs, max_blocks), got {block_tables.dtype}")
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
 
 
 def paged_attention_decode(
@@ -263,16 +253,9 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """Triton decode attention; returns out (num_seqs, num_heads, head_dim)."""
     _check(q, kv_cache, block_tables, seq_lens)
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
+    out = attention_output(q, kv_cache, block_tables, out)
     num_seqs, num_heads, head_dim = q.shape
     _, _, cache_block, num_kv_heads, _ = kv_cache.shape
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride")
     if num_seqs == 0 or max_seq_len <= 0:
         return out
     cfg = config or default_decode_config()
@@ -316,15 +299,7 @@ def paged_attention_decode(
         min_part,
         num_parts,
         num_seqs * num_heads * num_parts,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
+        *attention_strides(q, out, kv_cache, block_tables),
         NUM_HEADS=num_heads,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),

@@ -24,12 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llmfleet.kernels.triton_utils import (
-    check_last_dim_contiguous,
-    check_q_and_kv_cache,
-    interpreting,
-    launchable,
-)
+from llmfleet.kernels.paged_kv import attention_output, attention_strides, check_q_and_kv_cache
+from llmfleet.kernels.triton_utils import interpreting, launchable
 
 LOG2E = 1.4426950408889634
 
@@ -137,13 +133,6 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-# From sweeps on an H200 (bf16, head 128, 4 x 4096 causal; torch SDPA flash 1.74-1.76 ms):
-# 128/64/4 warps/3 stages 1.75-1.77 ms (the default, checked by test_prefill_gpu);
-# 256/64/8/3 1.60-1.61 ms, but ~160 KB of shared memory and not yet run under the GPU
-# correctness tests; 128/64/8/3 2.08 ms; 64/64/4/3 1.95 ms; 128/128/8/3 1.82 ms.
-HOPPER_LONG_PREFILL = PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
-
-
 def default_prefill_config() -> PrefillConfig:
     if interpreting():
         return PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
@@ -157,7 +146,7 @@ def _check(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
 ) -> None:
-    block_size, num_kv_heads, head_dim = check_q_and_kv_cache(q, kv_cache)
+    check_q_and_kv_cache(q, kv_cache)
     num_seqs = seq_lens.shape[0]
     if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
         raise ValueError(f"seq_lens must be int32 (num_seqs,), got {seq_lens.dtype}")
@@ -165,8 +154,6 @@ def _check(
         raise ValueError(f"query_start_loc must be int32 ({num_seqs + 1},)")
     if block_tables.dtype != torch.int32 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be int32 ({num_seqs}, max_blocks)")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
 
 
 def paged_attention_prefill(
@@ -182,16 +169,9 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """Triton causal varlen attention over the paged cache; returns (num_tokens, heads, dim)."""
     _check(q, kv_cache, query_start_loc, seq_lens, block_tables)
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
+    out = attention_output(q, kv_cache, block_tables, out)
     num_tokens, num_heads, head_dim = q.shape
     _, _, cache_block, num_kv_heads, _ = kv_cache.shape
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride")
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
@@ -206,15 +186,7 @@ def paged_attention_prefill(
         out,
         scale * LOG2E,
         num_m_tiles,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
+        *attention_strides(q, out, kv_cache, block_tables),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         CACHE_BLOCK=cache_block,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from llmfleet.kernels.kv_cache_write import check_kv_write_args, kv_cache_write_ref
+from llmfleet.kernels.paged_kv import kv_write_strides
 from llmfleet.kernels.rotary import (
     check_rotary_args,
     load_cos_sin,
@@ -127,14 +128,7 @@ def rotary_kv_cache_write(
         slot_mapping,
         q.stride(0),
         q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
+        *kv_write_strides(k, v, kv_cache),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

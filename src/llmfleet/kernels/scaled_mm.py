@@ -125,16 +125,13 @@ def wide_tiles_fit(device: torch.device) -> bool:
 
 
 def default_config(m: int, n: int, k: int, wide_tiles: bool = False) -> MatmulConfig:
-    """Block shapes by M (best of a small sweep on H200, bench_matmul_moe): weight streaming
-    with narrow-M tiles at decode sizes, large tiles (tensor-core bound) at prefill sizes.
+    """Block shapes by M (tuned with bench_matmul_moe): weight streaming with narrow-M tiles
+    at decode sizes, large tiles (tensor-core bound) at prefill sizes.
 
     `wide_tiles` (Hopper-class parts with room for `WIDE_TILE_SMEM`): up to 8 rows, where
-    64-column tiles alone cover the 132 SMs, 128-column tiles stream the weight faster. At
-    M = 1, 4 and 8 on (N, K) = (14336, 4096) and (14336, 14336) they went from 0.94-1.14x
-    `torch._scaled_mm` to 1.04-1.15x on an H100, and from 1.09-1.44x to 1.20-1.44x on an
-    H200 (docs/benchmarks.md, seventeenth session). At 16 rows the 64-column tile stays: 6-7%
-    faster than the wide one on the H200, up to 3% slower on the H100; with N = 4096 the wide
-    tile lost everywhere."""
+    64-column tiles alone cover the 132 SMs, 128-column tiles stream the weight faster. At 16
+    rows the 64-column tile stays (the wide one gains nothing there), and narrower weights
+    (fewer than 132 64-column tiles) keep it too."""
     if wide_tiles and m <= 8 and triton.cdiv(n, 64) >= 132:
         return MatmulConfig(16, 128, 256, split_k=1, num_warps=4, num_stages=3)
     if m <= 16:

@@ -3,8 +3,8 @@
     x (M, K) · W (N, K)^T [+ bias (N,)]  ->  out (M, N),   1 <= M <= MAX_M
 
 At decode sizes a linear layer is still a stream over its weight, and cuBLAS does not stream
-every shape at the copy rate: on an H200, Llama-3-8B's 4096 x 4096 o projection at M = 2..32
-reads at 57-59% of the copy rate, the down projection at 77-90%. This kernel swaps the
+every shape at the copy rate (Llama-3-8B's square o projection and its down projection fall
+well short of it). This kernel swaps the
 operands so that the weight is the tensor-core MMA's wide side: each program computes a
 (BLOCK_N, BLOCK_M) tile of out^T as W_tile (BLOCK_N, BLOCK_K) · x_tile^T (BLOCK_K, BLOCK_M),
 with BLOCK_M the batch rounded up to a power of two (16 at least), so a batch of 4 does not
@@ -196,9 +196,8 @@ def default_config(m: int, n: int, k: int, gated: bool = False) -> SkinnyConfig:
     """For a call with no config whose shape (n output columns) has no tuned entry: 128 weight
     rows per program (gated: 64 from each half, the same shared memory), split to about one
     program per SM of a 132-SM part. The fastest candidate varies with the shape and the
-    batch: on an H200 this was within 5% of it on Llama-3-8B's projections at M = 16, but
-    9-25% off on the q/k/v, o and down shapes at M = 64 (scratch sweep); gated, it was the
-    fastest on the gate/up shape at M = 8..64 (`bench_gemv --gated`)."""
+    batch, so this is a fallback that is close at small batches and further off at large
+    ones; tuned files hold the rest (`bench_gemv --save`, `--gated`)."""
     rows = 64 if gated else 128
     return SkinnyConfig(rows, 128, even_split(triton.cdiv(k, 128), triton.cdiv(n, rows), 1))
 

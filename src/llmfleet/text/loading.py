@@ -5,7 +5,6 @@ Kept apart from server.py so that importing it registers no service metrics.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from llmfleet.shared.core.errors import ModelLoadError
@@ -14,16 +13,12 @@ from llmfleet.shared.core.errors import ModelLoadError
 def load_tokenizer(model: str | None) -> Any:
     """The tokenizer of `model` (HF directory or .gguf file; None: the bundled SmolLM2) alone,
     without its weights."""
-    from transformers import AutoTokenizer
-
-    from llmfleet.models.loader import gguf_tokenizer, resolve_model_path
+    from llmfleet.models.checkpoint_files import resolve_model_path
+    from llmfleet.models.tokenizer import dir_tokenizer, gguf_tokenizer
 
     path = resolve_model_path(model)
     if path.is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"{path}: cannot load its tokenizer: {exc}") from exc
-    if Path(path).suffix == ".gguf":
+        return dir_tokenizer(path)
+    if path.suffix == ".gguf":
         return gguf_tokenizer(path)
     raise ModelLoadError(f"{path} is neither a checkpoint directory nor a .gguf file")

@@ -4,13 +4,17 @@ A backend owns two things for one layer call: writing this step's keys and value
 paged cache (at `meta.slot_mapping`), then causal attention of each new query token over its
 sequence's whole context (cached prefix + this step's tokens). Given the layer's rotary inputs
 (`rope=`), it applies the rotary embedding to q and k first, so that a backend can fuse it
-with the cache write. The CPU reference lives in
-`reference.py`; Triton backends arrive with the kernels.
+with the cache write. `forward` is that sequence of steps; a backend supplies the steps. The
+CPU reference lives in `reference.py`, the Triton kernels' backend in `triton_backend.py`.
+
+Shapes of the steps' arguments: q (num_tokens, num_heads, head_dim), k and v (num_tokens,
+num_kv_heads, head_dim), kv_cache (2, num_blocks, block_size, num_kv_heads, head_dim); a pure
+decode step has num_tokens == num_seqs.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -18,7 +22,7 @@ from llmfleet.models.attention.metadata import AttentionMetadata
 from llmfleet.models.rotary import RotaryPositions
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend(ABC):
     name: str
     # True when a pure-decode `forward` can be captured in a CUDA graph: no host syncs, launch
     # shapes from `meta.num_seqs` and the bound `meta.max_seq_len` only (which a graph sets to
@@ -43,4 +47,39 @@ class AttentionBackend(Protocol):
         rotary as `rope.table` says) before writing k to the cache and attending, and may do
         so in place, in q's and k's memory (which may be views of one fused qkv activation).
         Without it, q and k are already rotated and only the cache is written."""
-        ...
+        q, k = self.write_cache(q, k, v, kv_cache, meta.slot_mapping, rope)
+        if meta.is_pure_decode:
+            return self.decode(q, kv_cache, meta, scale)
+        return self.prefill(q, k, v, kv_cache, meta, scale)
+
+    @abstractmethod
+    def write_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # int64 (num_tokens,); < 0 = padding, not written
+        rope: RotaryPositions | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k and v at their slots, rotating q and k first when `rope` is given; returns
+        q and k as rotated (the same tensors where the rotation is in place)."""
+
+    @abstractmethod
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of a pure decode step (one query per sequence) over the cache."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of any other step (prefill, chunked prefill, mixed); this step's
+        k and v are in the cache already and also given."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmfleet.models.attention.backend import AttentionBackend
 from llmfleet.models.attention.metadata import AttentionMetadata
 from llmfleet.models.rotary import RotaryPositions
 
@@ -48,7 +49,7 @@ def dense_causal_attention(
     lk, hkv = k.shape[0], k.shape[1]
     g = h // hkv
     # GQA by broadcasting: query head h = kv * G + g reads KV head kv. An expanded (stride 0)
-    # K/V keeps SDPA on its fused CPU kernel (measured ~7x faster than repeat_interleave).
+    # K/V keeps SDPA on its fused CPU kernel, much faster than repeat_interleave.
     qg = q.reshape(lq, hkv, g, d).permute(1, 2, 0, 3)  # (Hkv, G, Lq, D)
     kg = k.transpose(0, 1)[:, None].expand(hkv, g, lk, d)  # (Hkv, G, Lk, D)
     vg = v.transpose(0, 1)[:, None].expand(hkv, g, lk, d)
@@ -63,34 +64,28 @@ def dense_causal_attention(
     return o.permute(2, 0, 1, 3).reshape(lq, h, d)  # (Lq, H, D)
 
 
-class TorchReferenceBackend:
+class TorchReferenceBackend(AttentionBackend):
     """AttentionBackend in plain PyTorch; stateless, one instance may serve every layer."""
 
     name = "torch_reference"
     cuda_graph_safe = False  # sizes its gathers from the host-side lengths
 
-    def forward(
+    def write_cache(
         self,
         q: torch.Tensor,  # (T, H, D)
         k: torch.Tensor,  # (T, Hkv, D)
         v: torch.Tensor,  # (T, Hkv, D)
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        rope: RotaryPositions | None = None,
-    ) -> torch.Tensor:  # (T, H, D)
+        slot_mapping: torch.Tensor,  # int64 (T,)
+        rope: RotaryPositions | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if rope is not None:
             q, k = rope.rotate_qk(q, k)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        if meta.num_tokens == 0:
-            return q.new_empty(q.shape)
-        if meta.is_pure_decode:
-            return self._decode(q, kv_cache, meta, scale)
-        return self._varlen(q, k, v, kv_cache, meta, scale)
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, k
 
-    @staticmethod
-    def _decode(
+    def decode(
+        self,
         q: torch.Tensor,  # (B, H, D)
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -109,7 +104,7 @@ class TorchReferenceBackend:
             return out.reshape(b, h, d)
         pos = torch.arange(nb * block_size, device=q.device)  # (L,)
         valid = pos[None, :] < meta.seq_lens[:, None]  # (B, L)
-        # SDPA with a boolean mask measured ~2x faster on CPU than matmul + softmax here.
+        # SDPA with a boolean mask: faster on CPU than matmul + softmax.
         out = F.scaled_dot_product_attention(
             q.reshape(b, hkv, g, d),  # (B, Hkv, G, D): the G query heads of a KV head as rows
             kv[0],
@@ -119,8 +114,8 @@ class TorchReferenceBackend:
         )  # (B, Hkv, G, D)
         return out.reshape(b, h, d)
 
-    @staticmethod
-    def _varlen(
+    def prefill(
+        self,
         q: torch.Tensor,  # (T, H, D)
         k: torch.Tensor,  # (T, Hkv, D)
         v: torch.Tensor,  # (T, Hkv, D)
@@ -128,6 +123,8 @@ class TorchReferenceBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (T, H, D)
+        if meta.num_tokens == 0:
+            return q.new_empty(q.shape)
         block_size, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         out = torch.empty_like(q)
         start = 0

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from llmfleet.kernels import dispatch
+from llmfleet.models.attention.backend import AttentionBackend
 from llmfleet.models.attention.metadata import AttentionMetadata
 from llmfleet.models.rotary import RotaryPositions
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """Stateless; `kv_cache` is mutated in place (only at this step's slots)."""
 
     name = "triton"
@@ -29,41 +30,46 @@ class TritonAttentionBackend:
         # falling back to the PyTorch references for CPU tensors.
         self.force_triton = force_triton
 
-    def forward(
+    def write_cache(
         self,
-        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        rope: RotaryPositions | None = None,
-    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        rope: RotaryPositions | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         force = self.force_triton
         if rope is None:
-            dispatch.kv_cache_write(k, v, kv_cache, meta.slot_mapping, force_triton=force)
+            dispatch.kv_cache_write(k, v, kv_cache, slot_mapping, force_triton=force)
         else:  # q and k rotated in place, the rotated k written to the cache: one launch
             dispatch.rotary_kv_cache_write(
-                rope.positions,
-                q,
-                k,
-                v,
-                rope.table,
-                kv_cache,
-                meta.slot_mapping,
-                force_triton=force,
+                rope.positions, q, k, v, rope.table, kv_cache, slot_mapping, force_triton=force
             )
-        if meta.is_pure_decode:
-            return dispatch.paged_attention_decode(
-                q,
-                kv_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                scale,
-                meta.max_seq_len,
-                force_triton=force,
-            )
+        return q, k
+
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return dispatch.paged_attention_decode(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            meta.max_seq_len,
+            force_triton=self.force_triton,
+        )
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # reads k and v from the cache
         return dispatch.paged_attention_prefill(
             q,
             kv_cache,
@@ -72,5 +78,5 @@ class TritonAttentionBackend:
             meta.block_tables,
             scale,
             meta.max_query_len,
-            force_triton=force,
+            force_triton=self.force_triton,
         )
