@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import GenerationClient
 from llmfleet.client.llm import LLM
 from llmfleet.shared.core.config import EngineConfig

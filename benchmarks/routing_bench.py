@@ -31,8 +31,9 @@ from contextlib import ExitStack
 
 from llmfleet.cli.benchserve.runner import serve
 from llmfleet.cli.benchserve.stats import BenchmarkMetrics, RequestRecord, compute_metrics
-from llmfleet.cli.launcher import Fleet, FleetSpec
-from llmfleet.cli.main import build_parser
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
+from llmfleet.cli.parser import build_parser
 
 POLICIES = ("prefix_aware", "round_robin")
 

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.cli.main import main
 
 pytestmark = pytest.mark.timeout(300)

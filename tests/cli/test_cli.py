@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from llmfleet.cli.main import CompletionPrinter, main
+from llmfleet.cli.main import main
 from llmfleet.client.generation import AsyncGenerationClient, ClientError, GenerationClient
 from llmfleet.client.messages import Delta, build_request
 from llmfleet.shared.core.errors import ValidationError
@@ -272,25 +272,6 @@ def test_async_client(server):
             assert info.value.message == BAD_MESSAGE
 
     asyncio.run(body())
-
-
-# ---- output formatting --------------------------------------------------------------------
-
-
-def test_printer_orders_out_of_order_streams():
-    out, err = io.StringIO(), io.StringIO()
-    p = CompletionPrinter(3, out, err)
-    p.add(2, "c2", finished=True)
-    p.add(1, "b1", finished=False)
-    p.add(0, "a0", finished=False)
-    assert out.getvalue() == "--- completion 0 ---\na0"
-    p.add(1, "b2", finished=True)
-    p.add(0, "a1", finished=True)
-    p.close()
-    assert out.getvalue() == (
-        "--- completion 0 ---\na0a1\n--- completion 1 ---\nb1b2\n--- completion 2 ---\nc2\n"
-    )
-    assert err.getvalue() == ""
 
 
 # ---- the command line ---------------------------------------------------------------------

@@ -22,7 +22,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.cli.launcher import Fleet, FleetSpec, FleetStartError
+from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError
+from llmfleet.cli.launcher import Fleet
 from llmfleet.cli.main import main
 from llmfleet.shared.core.errors import ValidationError
 
@@ -165,7 +166,8 @@ def test_run_prints_the_endpoint_and_stops_everything_on_sigint(tmp_path):
     spec = _spec(tmp_path, echo=True)
     code = (
         "import sys\n"
-        "from llmfleet.cli.launcher import FleetSpec, run\n"
+        "from llmfleet.cli.fleet_plan import FleetSpec\n"
+        "from llmfleet.cli.up import run\n"
         f"sys.exit(run(FleetSpec(**{_spec_kwargs(spec)!r})))\n"
     )
     proc = subprocess.Popen(
@@ -201,7 +203,7 @@ def _spec_kwargs(spec: FleetSpec) -> dict[str, Any]:
 
 
 def test_run_exits_1_when_the_fleet_does_not_start(tmp_path, capsys):
-    from llmfleet.cli.launcher import run
+    from llmfleet.cli.up import run
 
     assert run(_spec(tmp_path, env={"FAKEFLEET_FAIL": "router"})) == 1
     captured = capsys.readouterr()

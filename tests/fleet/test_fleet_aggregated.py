@@ -18,7 +18,8 @@ from fleet_helpers import (
     worker_stats,
 )
 
-from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import ClientError, GenerationClient
 from llmfleet.shared.core.sampling_params import SamplingParams
 

@@ -19,7 +19,8 @@ from fleet_helpers import (
     worker_stats,
 )
 
-from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import GenerationClient
 from llmfleet.shared.core.sampling_params import SamplingParams
 

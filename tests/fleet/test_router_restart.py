@@ -10,7 +10,8 @@ import pytest
 import torch
 from fleet_helpers import WORKER_ARGS, worker_stats
 
-from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import GenerationClient
 
 BLOCK = 16  # WORKER_ARGS' block size

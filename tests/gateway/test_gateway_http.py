@@ -12,7 +12,7 @@ import pytest
 from gateway_helpers import gateway_in_thread
 from tiny_models import make_tokenizer
 
-from llmfleet.cli.launcher import pick_free_ports
+from llmfleet.cli.fleet_plan import pick_free_ports
 from llmfleet.services.gateway.errors import APIError
 from llmfleet.services.gateway.upstream import Upstream
 from llmfleet.shared.core.config import GatewayConfig

@@ -16,7 +16,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from promql import dashboard_metric_names
 
-from llmfleet.cli.launcher import Child, Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import Child, FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import GenerationClient
 from llmfleet.client.messages import GenerateResult
 from llmfleet.engine.flops import model_shape

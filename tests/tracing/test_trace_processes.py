@@ -9,7 +9,8 @@ import time
 import pytest
 from otlp_collector import HTTPCollector
 
-from llmfleet.cli.launcher import Fleet, FleetSpec
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import GenerationClient
 
 

@@ -1,17 +1,16 @@
-"""Start a whole fleet on this machine as child processes (`llmfleet up`, and tests).
+"""Run a fleet on this machine as child processes and supervise them (`llmfleet up`, tests).
 
     with Fleet(FleetSpec(port=0, workers=2)) as fleet:
         client = GenerationClient(fleet.endpoint)
         fleet.worker_addresses            # gRPC addresses, e.g. for GetWorkerStats
 
-Startup order (docs/fleet.md): kvstore and tokenizer (in parallel), then the router (waited
-on until its health service answers: it reports SERVING only once workers registered), then
-the workers (in parallel), then the router's SERVING, then (with `gateway`) the
-OpenAI-compatible HTTP gateway, SERVING once its `/health` answers 200. Every child is
-`sys.executable -m llmfleet.services.<name>` with explicit ports picked here. Each child's
-stdout and stderr go to `<log_dir>/<name>.log` and, when `echo` is set, to this process's stderr
-prefixed with `[name]`. A child that exits or is not SERVING in time fails the start with a
-`FleetStartError` naming it and quoting the tail of its output.
+`Fleet.start` starts the tiers of `fleet_plan.plan` in order: kvstore and tokenizer (in
+parallel), then the router (waited on until its health service answers: it reports SERVING
+only once workers registered), then the workers (in parallel), then the router's SERVING, then
+the gateway, SERVING once its `/health` answers 200. Each child's stdout and stderr go to
+`<log_dir>/<name>.log` and, when `echo` is set, to this process's stderr prefixed with `[name]`
+(whole lines, through `write_line`). A child that exits or is not SERVING in time fails the
+start with a `FleetStartError` naming it and quoting the tail of its output.
 
 Stopping sends SIGTERM tier by tier in reverse start order (gateway, workers, router,
 tokenizer, kvstore), waits `stop_grace_s` per tier, then SIGKILLs what is left. Children run in
@@ -22,11 +21,9 @@ in order.
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,128 +31,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.shared.core.config import ROUTING_POLICIES
-from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.cli.fleet_plan import Child, FleetSpec, FleetStartError, plan
 
 logger = logging.getLogger(__name__)
-
-MODULES = {
-    "kvstore": "llmfleet.services.kvstore",
-    "tokenizer": "llmfleet.services.tokenizer",
-    "router": "llmfleet.services.router",
-    "worker": "llmfleet.services.worker",
-    "gateway": "llmfleet.services.gateway",
-}
-_TAIL_LINES = 40
-
-
-class FleetStartError(LLMFleetError):
-    """A child did not come up: it exited, or was not SERVING before the timeout."""
-
-
-@dataclass(frozen=True)
-class FleetSpec:
-    """What to start. Unset engine options (model, device, dtype, quantization) take the
-    services' defaults."""
-
-    host: str = "127.0.0.1"
-    port: int = 50051  # the public (router) port; 0: any free port
-    disaggregated: bool = False
-    workers: int = 1  # unified workers (aggregated mode)
-    prefill_workers: int = 1  # disaggregated mode
-    decode_workers: int = 1  # disaggregated mode
-    model: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    quantization: str | None = None  # "fp8": workers quantize their weights at load
-    routing_policy: str | None = None
-    kvstore: bool = True
-    gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
-    http_port: int = 8000  # the gateway's port; 0: any free port
-    # Extra flags per kind ("kvstore", "tokenizer", "router", "worker", "gateway"), e.g.
-    # {"worker": ["--num-kv-blocks", "64"]}.
-    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    env: Mapping[str, str] = field(default_factory=dict)  # added to this process's environment
-    modules: Mapping[str, str] = field(default_factory=dict)  # kind -> module, over MODULES
-    log_dir: str | None = None  # None: a fresh temporary directory
-    echo: bool = False  # copy children's output to this process's stderr
-    startup_timeout_s: float = 300.0
-    stop_grace_s: float = 15.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValidationError("port", f"must be in [0, 65535], got {self.port}")
-        if not 0 <= self.http_port < 65536:
-            raise ValidationError("http_port", f"must be in [0, 65535], got {self.http_port}")
-        for name in ("workers", "prefill_workers", "decode_workers"):
-            if getattr(self, name) < 1:
-                raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.routing_policy is not None and self.routing_policy not in ROUTING_POLICIES:
-            raise ValidationError("routing_policy", f"must be one of {', '.join(ROUTING_POLICIES)}")
-        unknown = (set(self.extra_args) | set(self.modules)) - set(MODULES)
-        if unknown:
-            raise ValidationError("extra_args", f"unknown service kinds {sorted(unknown)}")
-        if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
-            raise ValidationError("startup_timeout_s", "timeouts must be positive")
-
-
-@dataclass
-class Child:
-    """One started service process."""
-
-    name: str  # "kvstore", "tokenizer", "router", "worker-0", "prefill-0", "decode-1", ...
-    kind: str  # key of FleetSpec.modules
-    address: str  # its gRPC address
-    argv: list[str]
-    log_path: Path
-    role: str | None = None  # workers: unified | prefill | decode
-    proc: subprocess.Popen[bytes] | None = None
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
-    pump: threading.Thread | None = None
-
-    @property
-    def metrics_url(self) -> str:
-        """Its Prometheus endpoint (the `--metrics-port` the launcher picked)."""
-        host = self.address.rsplit(":", 1)[0]
-        return f"http://{host}:{self.argv[self.argv.index('--metrics-port') + 1]}/metrics"
-
-    def output_tail(self, lines: int = _TAIL_LINES) -> str:
-        if self.pump is not None:
-            self.pump.join(timeout=1.0)  # an exited child: let the pump read its last lines
-        return "".join(list(self.tail)[-lines:]).rstrip()
-
-
-def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free right now (held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # As gRPC binds: a port in TIME_WAIT is usable, one with a listener is not.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class Fleet:
@@ -211,99 +95,6 @@ class Fleet:
     def worker_addresses(self) -> list[str]:
         return [c.address for c in self.workers]
 
-    # ---- plan -----------------------------------------------------------------------------
-
-    def _plan(self) -> list[list[Child]]:
-        """The children in start tiers, with every port chosen."""
-        spec = self.spec
-        h = spec.host
-        roles = (
-            ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
-            if spec.disaggregated
-            else ["unified"] * spec.workers
-        )
-        ports = iter(pick_free_ports(2 * (4 + len(roles)) + 2, h))
-        if spec.port == 0:
-            public = next(ports)
-        elif _port_is_free(h, spec.port):
-            public = spec.port
-        else:
-            raise FleetStartError(f"port {spec.port} on {h} is in use (choose another with --port)")
-
-        def make(
-            name: str, kind: str, port: int, args: list[str], role: str | None = None
-        ) -> Child:
-            argv = [
-                sys.executable,
-                "-m",
-                {**MODULES, **spec.modules}[kind],
-                "--host",
-                h,
-                "--port",
-                str(port),
-                "--metrics-port",
-                str(next(ports)),
-                *args,
-                *spec.extra_args.get(kind, ()),
-            ]
-            return Child(name, kind, f"{h}:{port}", argv, self.log_dir / f"{name}.log", role)
-
-        engine: list[str] = []
-        for flag, value in (
-            ("--model", spec.model),
-            ("--device", spec.device),
-            ("--dtype", spec.dtype),
-            ("--quantization", spec.quantization),
-        ):
-            if value is not None:
-                engine += [flag, value]
-
-        first: list[Child] = []
-        kv_args: list[str] = []
-        if spec.kvstore:
-            kv_port, data_port, events_port = next(ports), next(ports), next(ports)
-            first.append(
-                make(
-                    "kvstore",
-                    "kvstore",
-                    kv_port,
-                    ["--data-port", str(data_port), "--events-port", str(events_port)],
-                )
-            )
-            kv_args = [
-                "--kvstore",
-                f"{h}:{kv_port}",
-                "--kvstore-endpoint",
-                f"tcp://{h}:{data_port}",
-                "--kvstore-events",
-                f"tcp://{h}:{events_port}",
-            ]
-        tokenizer_port = next(ports)
-        tok_args = ["--model", spec.model] if spec.model is not None else []
-        first.append(make("tokenizer", "tokenizer", tokenizer_port, tok_args))
-
-        sched_args = ["--tokenizer", f"{h}:{tokenizer_port}"]
-        sched_args += ["--mode", "disaggregated" if spec.disaggregated else "aggregated"]
-        if spec.routing_policy is not None:
-            sched_args += ["--routing-policy", spec.routing_policy]
-        router = make("router", "router", public, sched_args)
-
-        workers = []
-        counts: dict[str, int] = collections.Counter()
-        for role in roles:
-            name = f"{'worker' if role == 'unified' else role}-{counts[role]}"
-            counts[role] += 1
-            args = ["--role", role, "--worker-id", name, "--router", router.address]
-            workers.append(make(name, "worker", next(ports), [*args, *kv_args, *engine], role))
-        gateways = []
-        if spec.gateway:
-            http = next(ports) if spec.http_port == 0 else spec.http_port
-            if spec.http_port and not _port_is_free(h, http):
-                raise FleetStartError(f"port {http} on {h} is in use (choose another: --http-port)")
-            gw_args = ["--router", router.address, *tok_args]
-            gateways.append(make("gateway", "gateway", http, gw_args))
-        return [first, [router], workers, gateways]
-
     # ---- start / stop ---------------------------------------------------------------------
 
     def start(self) -> Fleet:
@@ -311,7 +102,7 @@ class Fleet:
             raise FleetStartError("this fleet was already started")
         self._started = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        tiers = self._plan()
+        tiers = plan(self.spec, self.log_dir)
         atexit.register(self.stop)
         try:
             deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -491,77 +282,15 @@ def _pump(child: Child, echo: bool) -> None:
             log.write(raw)
             log.flush()
             if echo:
-                _write_line(sys.stderr, f"[{child.name}] {line}")
+                write_line(sys.stderr, f"[{child.name}] {line}")
     proc.stdout.close()
 
 
 _stderr_lock = threading.Lock()
 
 
-def _write_line(stream: IO[str], line: str) -> None:
+def write_line(stream: IO[str], line: str) -> None:
+    """Write one whole line: echoed children's output and `llmfleet up`'s messages never mix."""
     with _stderr_lock:
         stream.write(line if line.endswith("\n") else line + "\n")
         stream.flush()
-
-
-def run(
-    spec: FleetSpec,
-    *,
-    out: IO[str] | None = None,
-    session: Callable[[str], int] | None = None,
-) -> int:
-    """`llmfleet up`: start, print the endpoint, run until SIGINT/SIGTERM or a child dies.
-
-    With `session` (e.g. an interactive chat), call it with the endpoint once the fleet serves
-    and stop the fleet when it returns; its return value is the exit status.
-    Returns the exit status: 0 after a requested stop, 1 when the fleet failed to start or a
-    child exited on its own.
-    """
-    out = out or sys.stdout
-    stop = threading.Event()
-    fleet = Fleet(spec)
-    in_session = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-        fleet.interrupt()
-        if in_session.is_set():
-            raise KeyboardInterrupt  # a blocking read in the session would otherwise resume
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        try:
-            fleet.start()
-        except FleetStartError as exc:
-            if stop.is_set():
-                return 0
-            _write_line(sys.stderr, f"llmfleet: the fleet did not start: {exc}")
-            return 1
-        print(f"llmfleet: serving on {fleet.endpoint}", file=out, flush=True)
-        if fleet.http_url is not None:
-            print(f"llmfleet: OpenAI-compatible API on {fleet.http_url}/v1", file=out, flush=True)
-        if session is not None:
-            in_session.set()
-            try:
-                return session(fleet.endpoint)
-            except KeyboardInterrupt:
-                return 0
-            finally:
-                in_session.clear()
-        _write_line(sys.stderr, f"llmfleet: logs in {fleet.log_dir}; Ctrl-C stops the fleet")
-        while not stop.wait(0.2):
-            dead = fleet.poll()
-            if dead is not None:
-                _write_line(
-                    sys.stderr,
-                    f"llmfleet: {dead.name} exited with status {dead.proc.returncode} "  # type: ignore[union-attr]
-                    f"(log: {dead.log_path}); stopping the fleet. Its last output:\n"
-                    f"{dead.output_tail()}",
-                )
-                return 1
-        _write_line(sys.stderr, "llmfleet: stopping")
-        return 0
-    finally:
-        fleet.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
 from llmfleet.shared.core.config import GatewayConfig
-from llmfleet.shared.wire.service_main import run_service
+from llmfleet.shared.wire.service_main import ServiceMain
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m llmfleet.services.gateway",
-        description="The llmfleet OpenAI-compatible HTTP gateway (in front of the router).",
-    )
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000; 0: any)")
-    p.add_argument("--metrics-port", type=int, default=None, help="also serve /metrics here")
+def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", dest="router_address", default=None, help="HOST:PORT")
     p.add_argument(
         "--served-model-name", default=None, help="model name for clients (default: the model id)"
@@ -35,20 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=None, help="per request")
     p.add_argument("--grace-s", type=float, default=None, help="drain time on SIGTERM")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    verbose = args.pop("verbose")
-
-    def load_serve():
-        from llmfleet.services.gateway.server import serve
-
-        return serve
-
-    return run_service("gateway", GatewayConfig, args, load_serve, verbose=verbose)
-
+SERVICE = ServiceMain(
+    package="llmfleet.services.gateway",
+    description="The llmfleet OpenAI-compatible HTTP gateway (in front of the router).",
+    add_flags=add_flags,
+    configs=(GatewayConfig,),
+    port_help="HTTP port (default 8000; 0: any)",
+    metrics_port_help="also serve /metrics here",
+)
+main = SERVICE.main
 
 if __name__ == "__main__":
     sys.exit(main())

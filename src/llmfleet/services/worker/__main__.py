@@ -2,43 +2,21 @@
 
 Flags override `LLMFLEET_WORKER_*` (service) and `LLMFLEET_*` (engine) environment variables
 (see shared/core/config.py). On SIGTERM the worker turns NOT_SERVING, deregisters, lets in-flight
-requests finish within the grace period (aborting the rest) and exits 0.
+requests finish within the grace period (aborting the rest) and exits 0. Exit status: 1 when the
+worker cannot start, 2 on a bad flag or configuration value (with usage).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
-from collections.abc import Sequence
 
-import zmq
-
-from llmfleet.services.worker.server import serve
-from llmfleet.shared.core.config import WORKER_ROLES, EngineConfig, WorkerConfig, from_env
-from llmfleet.shared.core.errors import LLMFleetError, ValidationError
-
-_WORKER_FLAGS = (
-    "host", "port", "metrics_port", "role", "worker_id", "router_address",
-    "kvstore_address", "kvstore_endpoint", "kvstore_events_endpoint", "kvstore_put_delay_ms",
-    "first_token_yield_ms", "lease_ttl_ms", "kv_push_timeout_ms",
-)  # fmt: skip
-_ENGINE_FLAGS = (
-    "model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len", "cuda_graph_max_batch_size", "quantization",
-    "async_scheduling",
-)  # fmt: skip
+from llmfleet.shared.core.config import WORKER_ROLES, EngineConfig, WorkerConfig
+from llmfleet.shared.wire.service_main import ServiceMain
 
 
-def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, EngineConfig, float]:
-    p = argparse.ArgumentParser(
-        prog="python -m llmfleet.services.worker",
-        description="llmfleet worker: one engine core serving a role (unified, prefill, decode)",
-    )
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any)")
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """WorkerConfig's flags, --grace-s, then EngineConfig's."""
     p.add_argument("--role", choices=WORKER_ROLES, help="default unified")
     p.add_argument("--worker-id", help="unique id (default: derived from address and pid)")
     p.add_argument("--router", dest="router_address", help="Registry HOST:PORT")
@@ -86,35 +64,19 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, Engin
         help="CUDA graphs: launch each decode step before the previous one's tokens are read "
         "back (default on)",
     )
-    args = vars(p.parse_args(argv))
-    try:
-        worker = from_env(WorkerConfig, **{k: args[k] for k in _WORKER_FLAGS})
-        engine = from_env(EngineConfig, **{k: args[k] for k in _ENGINE_FLAGS})
-    except ValidationError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
-    return worker, engine, args["grace_s"]
 
 
-async def _run(worker: WorkerConfig, engine: EngineConfig, grace_s: float) -> None:
-    server = await serve(worker, engine, install_signal_handlers=True, grace_s=grace_s)
-    await server.wait_for_termination()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    worker, engine, grace_s = parse_config(argv)
-    try:
-        asyncio.run(_run(worker, engine, grace_s))
-    except (LLMFleetError, OSError, zmq.ZMQError) as e:
-        logging.getLogger("llmfleet.services.worker").error("worker failed: %s", e)
-        return 1
-    return 0
-
+SERVICE = ServiceMain(
+    package="llmfleet.services.worker",
+    description="llmfleet worker: one engine core serving a role (unified, prefill, decode)",
+    add_flags=add_flags,
+    configs=(WorkerConfig, EngineConfig),
+    serve_flags=("grace_s",),
+    returns_server=True,
+    usage_on_bad_config=True,
+)
+main = SERVICE.main
+parse_config = SERVICE.parse  # (WorkerConfig, EngineConfig, grace_s), for tests
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,226 @@
+"""What a local fleet is made of: the `FleetSpec` a user asks for, and `plan`, which turns it
+into the child processes to start, in start tiers, with every flag and port chosen.
+
+Tiers (docs/fleet.md): kvstore and tokenizer, then the router, then the workers, then (with
+`gateway`) the OpenAI-compatible HTTP gateway. Every child is
+`sys.executable -m llmfleet.services.<name>` (or `FleetSpec.modules[kind]`) with explicit
+`--host`, `--port` and `--metrics-port`, the flags that wire it to the tiers before it, then
+`FleetSpec.extra_args[kind]`. Ports are picked here, all distinct; the public (router) and HTTP
+ports are the spec's unless 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmfleet.shared.core.config import ROUTING_POLICIES
+from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+
+MODULES = {
+    "kvstore": "llmfleet.services.kvstore",
+    "tokenizer": "llmfleet.services.tokenizer",
+    "router": "llmfleet.services.router",
+    "worker": "llmfleet.services.worker",
+    "gateway": "llmfleet.services.gateway",
+}
+_TAIL_LINES = 40
+
+
+class FleetStartError(LLMFleetError):
+    """A child did not come up: it exited, or was not SERVING before the timeout."""
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What to start. Unset engine options (model, device, dtype, quantization) take the
+    services' defaults."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # the public (router) port; 0: any free port
+    disaggregated: bool = False
+    workers: int = 1  # unified workers (aggregated mode)
+    prefill_workers: int = 1  # disaggregated mode
+    decode_workers: int = 1  # disaggregated mode
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None  # "fp8": workers quantize their weights at load
+    routing_policy: str | None = None
+    kvstore: bool = True
+    gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
+    http_port: int = 8000  # the gateway's port; 0: any free port
+    # Extra flags per kind ("kvstore", "tokenizer", "router", "worker", "gateway"), e.g.
+    # {"worker": ["--num-kv-blocks", "64"]}.
+    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)  # added to this process's environment
+    modules: Mapping[str, str] = field(default_factory=dict)  # kind -> module, over MODULES
+    log_dir: str | None = None  # None: a fresh temporary directory
+    echo: bool = False  # copy children's output to this process's stderr
+    startup_timeout_s: float = 300.0
+    stop_grace_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValidationError("port", f"must be in [0, 65535], got {self.port}")
+        if not 0 <= self.http_port < 65536:
+            raise ValidationError("http_port", f"must be in [0, 65535], got {self.http_port}")
+        for name in ("workers", "prefill_workers", "decode_workers"):
+            if getattr(self, name) < 1:
+                raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.routing_policy is not None and self.routing_policy not in ROUTING_POLICIES:
+            raise ValidationError("routing_policy", f"must be one of {', '.join(ROUTING_POLICIES)}")
+        unknown = (set(self.extra_args) | set(self.modules)) - set(MODULES)
+        if unknown:
+            raise ValidationError("extra_args", f"unknown service kinds {sorted(unknown)}")
+        if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
+            raise ValidationError("startup_timeout_s", "timeouts must be positive")
+
+
+@dataclass
+class Child:
+    """One service process: planned here (name, address, argv); the launcher fills in its
+    process and the pump thread that reads its output."""
+
+    name: str  # "kvstore", "tokenizer", "router", "worker-0", "prefill-0", "decode-1", ...
+    kind: str  # key of FleetSpec.modules
+    address: str  # its gRPC address
+    argv: list[str]
+    log_path: Path
+    role: str | None = None  # workers: unified | prefill | decode
+    proc: subprocess.Popen[bytes] | None = None
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
+    pump: threading.Thread | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint (the `--metrics-port` the launcher picked)."""
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.argv[self.argv.index('--metrics-port') + 1]}/metrics"
+
+    def output_tail(self, lines: int = _TAIL_LINES) -> str:
+        if self.pump is not None:
+            self.pump.join(timeout=1.0)  # an exited child: let the pump read its last lines
+        return "".join(list(self.tail)[-lines:]).rstrip()
+
+
+def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free right now (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As gRPC binds: a port in TIME_WAIT is usable, one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
+    """The children in start tiers ([kvstore and tokenizer], [router], workers, [gateway] or
+    []), with every port chosen; each logs to `<log_dir>/<name>.log`. Raises
+    `FleetStartError` when the spec's public or HTTP port is in use."""
+    h = spec.host
+    roles = (
+        ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
+        if spec.disaggregated
+        else ["unified"] * spec.workers
+    )
+    ports = iter(pick_free_ports(2 * (4 + len(roles)) + 2, h))
+    if spec.port == 0:
+        public = next(ports)
+    elif _port_is_free(h, spec.port):
+        public = spec.port
+    else:
+        raise FleetStartError(f"port {spec.port} on {h} is in use (choose another with --port)")
+
+    def make(name: str, kind: str, port: int, args: list[str], role: str | None = None) -> Child:
+        argv = [
+            sys.executable,
+            "-m",
+            {**MODULES, **spec.modules}[kind],
+            "--host",
+            h,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(next(ports)),
+            *args,
+            *spec.extra_args.get(kind, ()),
+        ]
+        return Child(name, kind, f"{h}:{port}", argv, log_dir / f"{name}.log", role)
+
+    engine: list[str] = []
+    for flag, value in (
+        ("--model", spec.model),
+        ("--device", spec.device),
+        ("--dtype", spec.dtype),
+        ("--quantization", spec.quantization),
+    ):
+        if value is not None:
+            engine += [flag, value]
+
+    first: list[Child] = []
+    kv_args: list[str] = []
+    if spec.kvstore:
+        kv_port, data_port, events_port = next(ports), next(ports), next(ports)
+        first.append(
+            make(
+                "kvstore",
+                "kvstore",
+                kv_port,
+                ["--data-port", str(data_port), "--events-port", str(events_port)],
+            )
+        )
+        kv_args = [
+            "--kvstore",
+            f"{h}:{kv_port}",
+            "--kvstore-endpoint",
+            f"tcp://{h}:{data_port}",
+            "--kvstore-events",
+            f"tcp://{h}:{events_port}",
+        ]
+    tokenizer_port = next(ports)
+    tok_args = ["--model", spec.model] if spec.model is not None else []
+    first.append(make("tokenizer", "tokenizer", tokenizer_port, tok_args))
+
+    sched_args = ["--tokenizer", f"{h}:{tokenizer_port}"]
+    sched_args += ["--mode", "disaggregated" if spec.disaggregated else "aggregated"]
+    if spec.routing_policy is not None:
+        sched_args += ["--routing-policy", spec.routing_policy]
+    router = make("router", "router", public, sched_args)
+
+    workers = []
+    counts: dict[str, int] = collections.Counter()
+    for role in roles:
+        name = f"{'worker' if role == 'unified' else role}-{counts[role]}"
+        counts[role] += 1
+        args = ["--role", role, "--worker-id", name, "--router", router.address]
+        workers.append(make(name, "worker", next(ports), [*args, *kv_args, *engine], role))
+    gateways = []
+    if spec.gateway:
+        http = next(ports) if spec.http_port == 0 else spec.http_port
+        if spec.http_port and not _port_is_free(h, http):
+            raise FleetStartError(f"port {http} on {h} is in use (choose another: --http-port)")
+        gw_args = ["--router", router.address, *tok_args]
+        gateways.append(make("gateway", "gateway", http, gw_args))
+    return [first, [router], workers, gateways]

@@ -1,0 +1,126 @@
+"""The `llmfleet` command line's arguments: `build_parser` and the groups its subcommands share
+(engine choice and endpoint, sampling, the fleet's shape for `up`). Parsing only: what the
+arguments mean is in `generate` and `up`, and `bench serve`'s are in `benchserve.args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llmfleet.cli.benchserve import args as bench_args
+
+_GENERATE_EPILOG = """\
+output: the completion's text and a newline. With --n N > 1, each completion is preceded by a
+line `--- completion I ---` (I = 0 .. N-1), in index order; --stream prints the same bytes as
+they are generated (completion I+1 appears once completion I has finished).
+--logprobs K: one JSON object per generated token on stderr, e.g.
+{"completion": 0, "position": 0, "token_id": 504, "logprob": -0.12, "rank": 1,
+ "top": [{"token_id": 504, "logprob": -0.12}, ...]}
+exit status: 0 ok, 1 fleet unreachable or failed, 2 bad input, 130 interrupted.
+"""
+
+
+def _mode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="fleet address HOST:PORT (default: $LLMFLEET_ENDPOINT or 127.0.0.1:50051)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="seconds per request")
+    p.add_argument("--offline", action="store_true", help="run the engine in this process")
+    p.add_argument(
+        "--model", help="--offline: HF checkpoint directory or .gguf file (default: bundled)"
+    )
+    p.add_argument("--device", default=None, help="--offline: cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="--offline: FP8 weights (CUDA)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--port", type=int, default=50051, help="public (router) port; 0: any")
+    p.add_argument("--disaggregated", action="store_true", help="prefill and decode workers")
+    p.add_argument("--workers", type=int, default=None, help="unified workers (default 1)")
+    p.add_argument("--prefill-workers", type=int, default=None, help="default 1")
+    p.add_argument("--decode-workers", type=int, default=None, help="default 1")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: bundled)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="workers serve FP8 weights (CUDA)"
+    )
+    p.add_argument(
+        "--routing-policy", default=None, choices=["round_robin", "least_load", "prefix_aware"]
+    )
+    p.add_argument("--no-kvstore", action="store_true", help="run without the shared KV store")
+    p.add_argument(
+        "--no-gateway", action="store_true", help="run without the OpenAI-compatible HTTP gateway"
+    )
+    p.add_argument("--http-port", type=int, default=8000, help="the gateway's port; 0: any")
+    p.add_argument("--log-dir", default=None, help="children's logs (default: a temp dir)")
+    p.add_argument("--quiet", action="store_true", help="do not copy children's logs to stderr")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmfleet", description="The `llmfleet` command line.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt and print the completion",
+        epilog=_GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _mode_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--n", type=int, default=1, help="completions of the prompt (default 1)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K", help="see below")
+    gen.add_argument("prompt")
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    _mode_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    up = sub.add_parser(
+        "up",
+        help="start a fleet on this machine; Ctrl-C stops it",
+        description="Start kvstore, tokenizer, router, workers and the OpenAI-compatible "
+        "HTTP gateway as child processes, print `llmfleet: serving on HOST:PORT` (and the "
+        "gateway's URL on the next line) once every one is SERVING, stop them on SIGINT/SIGTERM.",
+    )
+    _up_args(up)
+    up.add_argument(
+        "--chat",
+        action="store_true",
+        help="once serving, chat with the fleet on this terminal; the fleet stops when the "
+        "chat ends (an empty line or Ctrl-D)",
+    )
+    up.add_argument("--system", default=None, help="--chat: system message")
+    up.add_argument("--timeout", type=float, default=None, help="--chat: seconds per reply")
+    _sampling_args(up)
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser(
+        "serve",
+        help="serving benchmark: throughput, TTFT/TPOT/ITL/E2EL, goodput, plots",
+        epilog=bench_args.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_args.add_arguments(serve)
+    return parser

@@ -1,0 +1,120 @@
+"""`llmfleet up`: start a fleet on this machine from the command line's arguments, print its
+endpoint (and the gateway's URL) on stdout once every child is SERVING, then run until
+SIGINT/SIGTERM, a child exiting on its own, or the end of `--chat`; the fleet is stopped on
+every way out. Exit status: 0 after a requested stop (or the chat's own status), 1 when the
+fleet did not start or a child exited; bad arguments raise `ValidationError` (status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO
+
+from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError
+from llmfleet.cli.generate import ENGINE_FLAGS, remote_chat
+from llmfleet.cli.launcher import Fleet, write_line
+from llmfleet.shared.core.errors import ValidationError
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    if args.disaggregated and args.workers is not None:
+        raise ValidationError("--workers", "use --prefill-workers/--decode-workers with it")
+    if not args.disaggregated and (args.prefill_workers or args.decode_workers):
+        raise ValidationError("--prefill-workers", "applies with --disaggregated only")
+    spec = FleetSpec(
+        host=args.host,
+        port=args.port,
+        disaggregated=args.disaggregated,
+        workers=args.workers if args.workers is not None else 1,
+        prefill_workers=args.prefill_workers if args.prefill_workers is not None else 1,
+        decode_workers=args.decode_workers if args.decode_workers is not None else 1,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        routing_policy=args.routing_policy,
+        kvstore=not args.no_kvstore,
+        gateway=not args.no_gateway,
+        http_port=args.http_port,
+        log_dir=args.log_dir,
+        echo=not args.quiet,
+        startup_timeout_s=args.startup_timeout,
+    )
+    session = None
+    if args.chat:
+
+        def session(endpoint: str) -> int:
+            # The engine flags chose the fleet's model; the chat itself is a plain client.
+            chat_args = argparse.Namespace(**{**vars(args), "endpoint": endpoint})
+            for flag in ENGINE_FLAGS:
+                setattr(chat_args, flag, None)
+            return remote_chat(chat_args)
+
+    return run(spec, session=session)
+
+
+def run(
+    spec: FleetSpec,
+    *,
+    out: IO[str] | None = None,
+    session: Callable[[str], int] | None = None,
+) -> int:
+    """`llmfleet up`: start, print the endpoint, run until SIGINT/SIGTERM or a child dies.
+
+    With `session` (e.g. an interactive chat), call it with the endpoint once the fleet serves
+    and stop the fleet when it returns; its return value is the exit status.
+    Returns the exit status: 0 after a requested stop, 1 when the fleet failed to start or a
+    child exited on its own.
+    """
+    out = out or sys.stdout
+    stop = threading.Event()
+    fleet = Fleet(spec)
+    in_session = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+        fleet.interrupt()
+        if in_session.is_set():
+            raise KeyboardInterrupt  # a blocking read in the session would otherwise resume
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            fleet.start()
+        except FleetStartError as exc:
+            if stop.is_set():
+                return 0
+            write_line(sys.stderr, f"llmfleet: the fleet did not start: {exc}")
+            return 1
+        print(f"llmfleet: serving on {fleet.endpoint}", file=out, flush=True)
+        if fleet.http_url is not None:
+            print(f"llmfleet: OpenAI-compatible API on {fleet.http_url}/v1", file=out, flush=True)
+        if session is not None:
+            in_session.set()
+            try:
+                return session(fleet.endpoint)
+            except KeyboardInterrupt:
+                return 0
+            finally:
+                in_session.clear()
+        write_line(sys.stderr, f"llmfleet: logs in {fleet.log_dir}; Ctrl-C stops the fleet")
+        while not stop.wait(0.2):
+            dead = fleet.poll()
+            if dead is not None:
+                write_line(
+                    sys.stderr,
+                    f"llmfleet: {dead.name} exited with status {dead.proc.returncode} "  # type: ignore[union-attr]
+                    f"(log: {dead.log_path}); stopping the fleet. Its last output:\n"
+                    f"{dead.output_tail()}",
+                )
+                return 1
+        write_line(sys.stderr, "llmfleet: stopping")
+        return 0
+    finally:
+        fleet.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
