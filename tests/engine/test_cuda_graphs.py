@@ -71,7 +71,7 @@ def test_graphs_give_eager_tokens(arch, loaded):
         prompts = ragged_prompts(model.spec.vocab_size, batch)
         want, eager_ms = greedy(eager, prompts)
         got_sync, sync_ms = greedy(synced, prompts)
-        replays, chained = graphs.num_replays, graphed.num_chained_steps
+        replays, chained = graphs.num_replays, graphed.chain.num_chained_steps
         got, graph_ms = greedy(graphed, prompts)
         assert got_sync == want, f"batch {batch}"
         assert got == want, f"batch {batch}"
@@ -79,12 +79,12 @@ def test_graphs_give_eager_tokens(arch, loaded):
         # One prefill step (every prompt fits the token budget), then STEPS - 1 replays, all
         # but the first launched ahead of the previous step's read-back.
         assert graphs.num_replays - replays == STEPS - 1
-        assert graphed.num_chained_steps - chained == STEPS - 2
+        assert graphed.chain.num_chained_steps - chained == STEPS - 2
         rows.append(
             f"{arch} batch {batch:2d}: eager {eager_ms:.2f} ms, graphs {sync_ms:.2f} ms, "
             f"graphs + async scheduling {graph_ms:.2f} ms"
         )
-    assert synced.num_chained_steps == 0
+    assert synced.chain.num_chained_steps == 0
     assert graphed.num_free_blocks == synced.num_free_blocks == eager.num_free_blocks == 256
     print("\ndecode step (median, engine.step incl. scheduling and sampling)")
     print("\n".join(rows))

@@ -104,8 +104,8 @@ def test_async_steps_give_the_synchronous_tokens(loaded) -> None:
     assert [len(got[r]) for r in ("r0", "r1", "r3")] == [10, 3, 10]
     assert got["r2"][-1] == free_run["r2"][2] and len(got["r2"]) <= 3
     # Every decode step but the first of each run of them was chained.
-    assert engine.num_chained_steps >= 6
-    assert sync.num_chained_steps == 0
+    assert engine.chain.num_chained_steps >= 6
+    assert sync.chain.num_chained_steps == 0
     assert engine.num_free_blocks == sync.num_free_blocks == NUM_BLOCKS
 
 
@@ -128,18 +128,18 @@ def test_abort_and_arrival_while_a_step_is_in_flight(loaded) -> None:
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
 
-    while engine.num_chained_steps < 3:
+    while engine.chain.num_chained_steps < 3:
         step()
     assert engine.abort("r1")  # its row of the step in flight is dropped
     engine.add_request("r2", p[2], params)  # waits for the chain to break, then joins
-    chained = engine.num_chained_steps
+    chained = engine.chain.num_chained_steps
     while engine.has_unfinished():
         step()
 
     assert got["r0"] == want["r0"] and got["r2"] == want["r2"]
     assert 3 <= len(got["r1"]) < 12 and got["r1"] == want["r1"][: len(got["r1"])]
     assert reasons == {"r0": "length", "r1": "abort", "r2": "length"}
-    assert engine.num_chained_steps > chained  # chaining resumed after r2 joined
+    assert engine.chain.num_chained_steps > chained  # chaining resumed after r2 joined
     assert engine.num_free_blocks == NUM_BLOCKS
 
 
@@ -159,7 +159,7 @@ def test_chained_steps_are_counted_for_prometheus(loaded) -> None:
         engine.step()
         metrics.on_step(0.01, engine.last_step_cost)
     # Prefill, one decode step whose tokens stay on the device, then 4 chained steps.
-    assert engine.num_chained_steps == 4
+    assert engine.chain.num_chained_steps == 4
     assert count() - before == 4
 
 
@@ -169,16 +169,16 @@ def test_chained_launch_never_waits_for_the_device(loaded, monkeypatch) -> None:
     min-p and seeds, a subset of rows) issues no call that waits for the GPU: CUDA's sync
     debug mode turns any such call into an error while it runs."""
     engine = make_engine(loaded, True)
-    launch = engine._launch_chained
+    launch = engine.chain.launch
 
-    def strict(prev):
+    def strict(prev, **kw):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(prev)
+            return launch(prev, **kw)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(engine, "_launch_chained", strict)
+    monkeypatch.setattr(engine.chain, "launch", strict)
     p = prompts()
     requests = {
         "greedy": (p[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
@@ -192,7 +192,7 @@ def test_chained_launch_never_waits_for_the_device(loaded, monkeypatch) -> None:
     tokens, reasons = run(engine, requests)
     assert [len(tokens[r]) for r in requests] == [12, 4, 12, 12]
     assert set(reasons.values()) == {"length"}
-    assert engine.num_chained_steps >= 9
+    assert engine.chain.num_chained_steps >= 9
     assert engine.num_free_blocks == NUM_BLOCKS
 
 
@@ -215,9 +215,9 @@ def test_reading_tokens_back_waits_for_their_step_only(loaded, monkeypatch) -> N
     busy_after_launch = []
     tokens = []
     while engine.has_unfinished():
-        chained = engine.num_chained_steps
+        chained = engine.chain.num_chained_steps
         outs = engine.step()
-        if engine.num_chained_steps > chained:
+        if engine.chain.num_chained_steps > chained:
             busy_after_launch.append(not torch.cuda.current_stream().query())
         tokens += [t for o in outs for t in o.new_token_ids]
     torch.cuda.synchronize()

@@ -56,15 +56,15 @@ def test_export_import_round_trip_gives_same_tokens_and_cached_count(loaded):
     a = new_engine(loaded)
     ref, _ = run(a, "r", ids)
     hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.spec.model_id))
-    payload = a.read_cached_blocks(hashes)
-    assert payload is not None and payload.shape == (4, *a.kv_block_shape)
+    payload = a.kv.read_cached_blocks(hashes)
+    assert payload is not None and payload.shape == (4, *a.kv.block_shape)
 
     b = new_engine(loaded)
     baseline = b.num_free_blocks
-    assert b.import_cached_blocks(hashes, payload) == 4
-    assert b.import_cached_blocks(hashes, payload) == 0  # already cached: skipped
+    assert b.kv.import_cached_blocks(hashes, payload) == 4
+    assert b.kv.import_cached_blocks(hashes, payload) == 0  # already cached: skipped
     assert b.num_free_blocks == baseline  # imported blocks are unreferenced, still allocatable
-    assert sorted(b.cached_block_hashes()) == sorted(hashes)
+    assert sorted(b.kv.cached_block_hashes()) == sorted(hashes)
     got, last = run(b, "r", ids)
     assert got == ref
     assert last.num_cached_tokens == 16
@@ -83,17 +83,17 @@ def test_reserve_write_start_decode_matches_plain_run(loaded):
         assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason is None
         first = outs[0].new_token_ids[0]
         assert not p.has_unfinished()
-        payload = p.read_blocks(p.pinned_block_ids("r"))
+        payload = p.kv.read_blocks(p.kv.pinned_block_ids("r"))
         assert payload.shape[0] == 4  # ceil(14 / 4), the partial last block included
-        assert p.release_pinned("r")
+        assert p.kv.release_pinned("r")
         assert p.num_free_blocks == base_p
 
         d = new_engine(loaded)
         base_d = d.num_free_blocks
-        assert d.reserve("lease-1", len(ids)) == 4
+        assert d.kv.reserve("lease-1", len(ids)) == 4
         assert d.num_free_blocks == base_d - 4
-        d.write_reserved("lease-1", 0, payload[:3])
-        d.write_reserved("lease-1", 3, payload[3:])
+        d.kv.write_reserved("lease-1", 0, payload[:3])
+        d.kv.write_reserved("lease-1", 3, payload[3:])
         d.start_decode("lease-1", "r", ids, first, params)
         rest = []
         while d.has_unfinished():
@@ -103,7 +103,7 @@ def test_reserve_write_start_decode_matches_plain_run(loaded):
         assert d.num_free_blocks == base_d
         # the full prompt blocks entered d's prefix cache
         hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.spec.model_id))
-        assert set(hashes) <= set(d.cached_block_hashes())
+        assert set(hashes) <= set(d.kv.cached_block_hashes())
 
 
 def test_every_exit_returns_blocks_to_baseline(loaded):
@@ -111,11 +111,11 @@ def test_every_exit_returns_blocks_to_baseline(loaded):
     base = e.num_free_blocks
     ids = prompt(loaded, 10, seed=2)
     # reservation released before any write, after a partial write
-    e.reserve("l1", 10)
-    e.reserve("l2", 10)
-    e.write_reserved("l2", 0, torch.zeros(1, *e.kv_block_shape))
-    assert e.release_reserved("l1") and e.release_reserved("l2")
-    assert not e.release_reserved("l1")
+    e.kv.reserve("l1", 10)
+    e.kv.reserve("l2", 10)
+    e.kv.write_reserved("l2", 0, torch.zeros(1, *e.kv.block_shape))
+    assert e.kv.release_reserved("l1") and e.kv.release_reserved("l2")
+    assert not e.kv.release_reserved("l1")
     assert e.num_free_blocks == base
     # prefill-only aborted while queued, while pinned
     e.add_request("p1", ids, GREEDY, prefill_only=True)
@@ -125,7 +125,7 @@ def test_every_exit_returns_blocks_to_baseline(loaded):
     e.step()
     assert e.abort("p2") and not e.abort("p2")
     # started decode aborted mid-stream; n=2 cancelled one completion at a time
-    e.reserve("l3", len(ids))
+    e.kv.reserve("l3", len(ids))
     e.start_decode("l3", "d1", ids, 5, GREEDY)
     e.step()
     e.abort("d1")
@@ -137,21 +137,21 @@ def test_every_exit_returns_blocks_to_baseline(loaded):
     while e.has_unfinished():
         e.step()
     assert e.num_free_blocks == base
-    e.reserve("most", 60 * BS)
+    e.kv.reserve("most", 60 * BS)
     with pytest.raises(CapacityError):
-        e.reserve("more", 5 * BS)
-    assert e.release_reserved("most")
+        e.kv.reserve("more", 5 * BS)
+    assert e.kv.release_reserved("most")
     assert e.num_free_blocks == base
 
 
 def test_kv_events_replay_to_the_cache_contents(loaded):
     e = new_engine(loaded, num_kv_blocks=12)
-    e.drain_kv_events()
+    e.kv.drain_events()
     held: set[bytes] = set()
     for i in range(6):  # more prompts than the cache holds: evictions happen
         run(e, f"r{i}", prompt(loaded, 13, seed=10 + i))
-        stored, removed = e.drain_kv_events()
+        stored, removed = e.kv.drain_events()
         held.difference_update(removed)
         held.update(stored)
-        assert held == set(e.cached_block_hashes())
+        assert held == set(e.kv.cached_block_hashes())
     assert removed  # the last prompts evicted earlier blocks

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from worker_helpers import Replies, prompt, reference_tokens, start_worker, stats, stub
+from worker_helpers import Replies, prompt, reference_tokens, run, start_worker, stats, stub
 
 from llmfleet.models.loader import load_model
 from llmfleet.shared.core.sampling_params import SamplingParams
@@ -25,14 +25,6 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def loaded(make_checkpoint_module):
     return load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
-
-
-def run(coro, timeout: float = 60.0):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
 
 
 def prefill_pb(rid, ids, lease, params=PARAMS) -> worker_pb2.PrefillRequest:
@@ -267,7 +259,7 @@ def test_wrong_epoch_and_malformed_pushes_are_rejected_and_survived(loaded):
         try:
             reserve = worker_pb2.ReserveKVRequest(request_id="a", num_prompt_tokens=len(ids))
             lease = (await stub(d).ReserveKV(reserve)).lease
-            block = torch.zeros(d.engine.kv_block_shape)
+            block = torch.zeros(d.engine.kv.block_shape)
             layout = d.kv_layout
 
             async def push(header, frames) -> dataplane_pb2.KVTransferAck:

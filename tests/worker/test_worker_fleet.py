@@ -16,7 +16,7 @@ import torch
 import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from worker_helpers import BS, Replies, add_request_pb, prompt, start_worker, stats, stub
+from worker_helpers import BS, Replies, add_request_pb, prompt, run, start_worker, stats, stub
 
 from llmfleet.models.loader import load_model
 from llmfleet.services.kvstore.server import serve as serve_kvstore
@@ -28,14 +28,6 @@ from llmfleet.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 @pytest.fixture(scope="module")
 def loaded(make_checkpoint_module):
     return load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
-
-
-def run(coro, timeout: float = 60.0):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
 
 
 class FakeRegistry(registry_pb2_grpc.RegistryServicer):

@@ -18,6 +18,7 @@ from worker_helpers import (
     add_request_pb,
     prompt,
     reference_tokens,
+    run,
     start_worker,
     stats,
     stub,
@@ -34,14 +35,6 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def loaded(make_checkpoint_module):
     return load_model(str(make_checkpoint_module("llama")), dtype=torch.float32, progress=False)
-
-
-def run(coro, timeout: float = 60.0):
-    async def bounded():
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
 
 
 def test_add_request_streams_the_engine_tokens(loaded):

@@ -32,6 +32,16 @@ async def start_worker(loaded, role="unified", engine_kw=None, **worker_kw) -> W
     return await serve(wc, engine_config(**(engine_kw or {})), loaded, grace_s=2.0)
 
 
+def run(coro, timeout: float = 60.0):
+    """Run a test's coroutine in a fresh event loop, failing it after `timeout` seconds."""
+
+    async def bounded():
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
 def stub(server_or_address) -> worker_pb2_grpc.WorkerStub:
     address = getattr(server_or_address, "address", server_or_address)
     return worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(address))

@@ -14,7 +14,8 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel, load_model
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.outputs import Completion

@@ -1,2 +1,3 @@
 """The engine core every worker role runs: block manager and prefix cache, batch scheduler,
-model runner (CUDA graphs on GPU), sampler, and the KV hooks for disaggregation."""
+model runner (CUDA graphs on GPU), sampler, async scheduling, and the KV handoff (export,
+import, pins, reservations) for disaggregation and the kvstore."""

@@ -6,8 +6,10 @@ when a step brings `num_computed_tokens` up to `num_tokens`, the step's last log
 sampled and the new token is appended. Chunked prefill, prefix-cache hits and recompute after
 preemption all fall out of this.
 
-Only the engine scheduler mutates `status` and `num_computed_tokens`; only the engine appends
-output tokens.
+`status` and `num_computed_tokens` change only inside the engine core (the scheduler admits,
+preempts and finishes; the engine and its decode chain advance them by what a step computed);
+only the engine appends output tokens. `RequestOutput` is what a step reports of a sequence:
+a diff, only its new tokens.
 """
 
 from __future__ import annotations
@@ -107,3 +109,40 @@ class Request:
                     parent=parent,
                 )
             )
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sequence (a diff: only the new tokens)."""
+
+    request_id: str  # the client's request id
+    index: int  # which of the n completions
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None  # stop token id or stop string, when one ended it
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int = 0  # tokens generated so far, these included
+
+    @classmethod
+    def of(
+        cls, req: Request, tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """`req`'s output at its current status, with these new tokens."""
+        finished = req.is_finished
+        return cls(
+            request_id=req.parent_id or req.request_id,
+            index=req.index,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=(
+                req.status.value if finished and req.status is not RequestStatus.PREFILLED else None
+            ),
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            num_output_tokens=req.num_output_tokens,
+        )

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmfleet.engine.request import Request
 from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingParams
 
@@ -58,6 +59,17 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]  # repetition_penalty (with the output)
     output_token_ids: Sequence[int]  # presence/frequency penalties and min_tokens
     stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + params.stop_token_ids
+
+    @classmethod
+    def of(cls, req: Request) -> SamplingRow:
+        """The row of a sequence as it stands (its own lists, not copies)."""
+        return cls(
+            params=req.params,
+            generator=req.generator,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            stop_token_ids=req.stop_token_ids,
+        )
 
 
 @dataclass
@@ -76,7 +88,7 @@ class Sampler:
         """`(B,)` int64 token ids on the logits' device, nothing read back to the host.
 
         For rows that `device_only` accepts this also never waits for the device, so a step
-        launched ahead (engine.py) can sample while the previous one still computes.
+        launched ahead (async_scheduling.py) can sample while the previous one still computes.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (B={len(rows)}, V), got {tuple(logits.shape)}")

@@ -8,10 +8,10 @@
     released = await decode.release(request)   # ReleaseKV
     await decode.close()                       # every open lease released, sockets closed
 
-The `LeaseTable` owns lease state; the engine owns the reserved blocks. Every path that ends a
-lease (release, expiry, a failed start, shutdown) frees its blocks through the engine loop, so
-blocks are never freed while a step reads them. Expiry is checked before every lease operation
-and by a periodic sweep.
+The `LeaseTable` owns lease state; the engine's `kv` (engine/kv_handoff.py) holds the reserved
+blocks. Every path that ends a lease (release, expiry, a failed start, shutdown) frees its
+blocks through the engine loop, so blocks are never freed while a step reads them. Expiry is
+checked before every lease operation and by a periodic sweep.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class DecodeSide:
         """Shutdown: end every open lease and free its blocks (queued on the engine loop)."""
         for lease in self.leases.active():
             self.leases.release(lease.lease_id, lease.epoch)
-            loop.call_soon(engine.release_reserved, lease.lease_id)
+            loop.call_soon(engine.kv.release_reserved, lease.lease_id)
 
     async def close(self) -> None:
         await self.stop_sweeping()
@@ -102,7 +102,7 @@ class DecodeSide:
             request.request_id, request.num_prompt_tokens, num_blocks, ttl_ms / 1000
         )
         try:
-            await loop.call(engine.reserve, lease.lease_id, request.num_prompt_tokens)
+            await loop.call(engine.kv.reserve, lease.lease_id, request.num_prompt_tokens)
         except BaseException:
             self.leases.release(lease.lease_id, lease.epoch)
             raise
@@ -143,12 +143,12 @@ class DecodeSide:
             raise LeaseError(f"lease {lease.lease_id} is not for request {header.request_id!r}")
         if header.layout != self.kv_layout:
             raise LeaseError(f"KV layout {header.layout} is not this worker's {self.kv_layout}")
-        shape, dtype = engine.kv_block_shape, engine.kv_dtype
+        shape, dtype = engine.kv.block_shape, engine.kv.dtype
         views = [frame_tensor(f, dtype, shape) for f in frames]  # zero-copy, checked sizes
         trace.get_current_span().set_attribute("llmfleet.kv.bytes", sum(len(f) for f in frames))
 
         def write() -> None:  # the copy is torch work: on the engine thread
-            engine.write_reserved(lease.lease_id, header.first_block, torch.stack(views))
+            engine.kv.write_reserved(lease.lease_id, header.first_block, torch.stack(views))
 
         try:
             await loop.call(write)
@@ -193,7 +193,7 @@ class DecodeSide:
                 )
             except BaseException:
                 routes.pop(rid, None)
-                engine.release_reserved(lease.lease_id)
+                engine.kv.release_reserved(lease.lease_id)
                 raise
             self._request_spans.decoding(rid, rpc_span, len(prompt))
 
@@ -205,7 +205,7 @@ class DecodeSide:
         lease = self.leases.release(request.lease_id, request.epoch)
         if lease is None:
             return False
-        await loop.call(engine.release_reserved, lease.lease_id)
+        await loop.call(engine.kv.release_reserved, lease.lease_id)
         return True
 
     # ---- expiry ------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ class DecodeSide:
             return
         for lease in self.leases.expire():
             logger.info("lease %s of request %s expired", lease.lease_id, lease.request_id)
-            loop.call_soon(engine.release_reserved, lease.lease_id)
+            loop.call_soon(engine.kv.release_reserved, lease.lease_id)
 
     async def _sweep(self) -> None:
         period = min(0.25, max(0.01, self._lease_ttl_ms / 10_000))

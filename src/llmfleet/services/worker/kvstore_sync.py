@@ -32,7 +32,8 @@ import zmq.asyncio
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.loop import EngineLoop
 from llmfleet.shared.core.errors import LLMFleetError
@@ -108,17 +109,17 @@ class KVStoreSync:
             return None
         engine = self._engine
         # The local count (an engine op) and the kvstore's lookup (an RPC) run concurrently.
-        local = self._loop.submit(engine.num_cached_prefix_blocks, hashes)
+        local = self._loop.submit(engine.kv.num_cached_prefix_blocks, hashes)
         try:
             num_remote = await self.client.lookup(self._layout_key, hashes)
             num_local = await local
             if num_remote > num_local:
                 frames = await self.client.get(self._layout_key, hashes[:num_remote])
-                shape, dtype = engine.kv_block_shape, engine.kv_dtype
+                shape, dtype = engine.kv.block_shape, engine.kv.dtype
                 views = [frame_tensor(f, dtype, shape) for f in frames]
                 got = hashes[: len(frames)]
                 imported = await self._loop.call(
-                    lambda: engine.import_cached_blocks(got, torch.stack(views))
+                    lambda: engine.kv.import_cached_blocks(got, torch.stack(views))
                 )
                 self.num_blocks_fetched += imported
             return num_remote
@@ -151,7 +152,7 @@ class KVStoreSync:
         client, key = self.client, self._layout_key
         # The read is torch work: on the engine thread, between steps. By hash: blocks that
         # left the prefix cache meanwhile make it None.
-        read = self._loop.submit(self._engine.read_cached_blocks, hashes)
+        read = self._loop.submit(self._engine.kv.read_cached_blocks, hashes)
 
         async def put() -> None:
             try:

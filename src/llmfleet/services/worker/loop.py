@@ -9,9 +9,8 @@ while a step is in flight, and a call's effect is visible to the next step.
 Why one thread, and never the event-loop thread: torch's CPU builds use GNU OpenMP, which gives
 every thread that starts a parallel region a team of its own. Once a process has more OpenMP
 threads than CPUs, libgomp cuts its spin-wait from 300,000 to 1,000 iterations, so the team's
-threads sleep and wake (futex) around nearly every op. Steps on a pool thread after the model
-was built on the main thread measured about 385 voluntary context switches per decoded token
-against 0 with a single thread, and ITL grew from 36 ms to 80 ms on 2 cores.
+threads sleep and wake (futex) around nearly every op, which multiplies the inter-token
+latency. One thread for all torch work keeps one team.
 
 Right after each step, still on the engine thread, the step's metrics are recorded and then
 `on_step` gets its outputs, so the worker pushes the new tokens before the event loop even
@@ -22,8 +21,7 @@ With no work and no queued op the loop waits on an event (no polling).
 
 On CPU, a step takes every core; after a step that gave a request its first token the loop
 waits `first_token_yield_s` before the next one, so the router and tokenizer processes that
-carry the token to the client run at once instead of waiting to preempt the step (measured on 2
-cores: the first token's hops after the step went from about 8 ms to 3.5 ms).
+carry the token to the client run at once instead of waiting to preempt the step.
 """
 
 from __future__ import annotations
@@ -39,7 +37,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.outputs import StepMetrics
 from llmfleet.shared.wire.service import cancel_and_wait
 

@@ -1,12 +1,11 @@
 """Where a worker's step outputs go: `TokenBatch` pushes to reply endpoints, and metrics.
 
 The pushes leave from the engine thread, right after the step that made them (`EngineLoop`'s
-`on_step`), not after a hop to the event loop: on the 2-core reference machine that hop took
-about 0.9 ms of a first token's way to the client. One PUSH socket per distinct reply endpoint,
-created on first use (linger 0) on a shadow of the worker's ZMQ context and touched only by
-the engine thread (ZMQ sockets are not thread-safe). Sends never block the step: a requester
-that stopped reading (its queue full) loses messages, with a log line; the router notices a
-dead peer by its own means.
+`on_step`), not after a hop to the event loop, which would lie on every first token's way to
+the client. One PUSH socket per distinct reply endpoint, created on first use (linger 0) on a
+shadow of the worker's ZMQ context and touched only by the engine thread (ZMQ sockets are not
+thread-safe). Sends never block the step: a requester that stopped reading (its queue full)
+loses messages, with a log line; the router notices a dead peer by its own means.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.flops import StepCost
+from llmfleet.engine.request import RequestOutput
 from llmfleet.shared.wire.convert import FINISH_TO_PB, logprobs_to_pb
 from llmfleet.v1 import dataplane_pb2
 
@@ -98,7 +98,7 @@ class StepMetrics:
             name,
             str(bm.block_size),
             str(bm.num_blocks),
-            str(engine.kv_dtype).removeprefix("torch."),
+            str(engine.kv.dtype).removeprefix("torch."),
         ).set(1)
         device = device_label(engine.device)
         self._seconds = ENGINE_STEP_SECONDS.labels(name)
@@ -109,8 +109,8 @@ class StepMetrics:
         self._scheduler = engine.scheduler
         self._preemptions_seen = engine.scheduler.num_preemptions_total
         self._chained = CHAINED_STEPS.labels(name)
-        self._engine = engine
-        self._chained_seen = engine.num_chained_steps
+        self._chain = engine.chain
+        self._chained_seen = engine.chain.num_chained_steps
 
     def on_step(self, seconds: float, cost: StepCost) -> None:
         self._seconds.observe(seconds)
@@ -118,7 +118,7 @@ class StepMetrics:
         if preempted:
             self._preemptions.inc(preempted)
             self._preemptions_seen += preempted
-        chained = self._engine.num_chained_steps - self._chained_seen
+        chained = self._chain.num_chained_steps - self._chained_seen
         if chained:
             self._chained.inc(chained)
             self._chained_seen += chained

@@ -23,7 +23,7 @@ import zmq.asyncio
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from llmfleet.engine.engine import RequestOutput
+from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.decode_side import EngineAccess
 from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
@@ -99,7 +99,8 @@ class PrefillSide:
             out = await fut
             if out.finish_reason == "abort" or not out.new_token_ids:
                 raise Cancelled(f"request {rid} was cancelled during its prefill")
-            payload = await loop.call(lambda: engine.read_blocks(engine.pinned_block_ids(rid)))
+            kv = engine.kv
+            payload = await loop.call(lambda: kv.read_blocks(kv.pinned_block_ids(rid)))
             if lease.num_blocks and payload.shape[0] != lease.num_blocks:
                 raise FailedPrecondition(
                     f"the prompt has {payload.shape[0]} blocks, the lease {lease.num_blocks}"

@@ -29,8 +29,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-from llmfleet.engine.engine import RequestOutput
-from llmfleet.engine.request import Request
+from llmfleet.engine.request import Request, RequestOutput
 
 tracer = trace.get_tracer(__name__)
 

@@ -6,7 +6,7 @@
 Threads of control (all on one asyncio loop, except the torch work: every engine op and step
 runs on the one `EngineThread`, see loop.py):
   - RPC handlers (server.py) convert protobuf at the boundary and queue engine work on the
-    `EngineLoop`;
+    `EngineLoop`; requests enter the engine through `Admission` (admission.py);
   - the engine loop steps; right after each step the engine thread itself pushes the new tokens
     (`TokenBatch`es); after each iteration the event loop publishes KV events, completes
     prefill waiters and starts kvstore puts;
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2
-from opentelemetry import trace
 
-from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel, load_model
+from llmfleet.services.worker.admission import Admission
 from llmfleet.services.worker.decode_side import DecodeSide
 from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.services.worker.kvstore_client import KVStoreClient
@@ -44,15 +45,12 @@ from llmfleet.services.worker.outputs import (
     KV_USAGE,
     PREFIX_HITS,
     PREFIX_QUERIES,
-    PROMPT_TOKENS,
     ReplySinks,
 )
 from llmfleet.services.worker.prefill_side import PrefillSide
 from llmfleet.services.worker.registration import Registrar
 from llmfleet.services.worker.request_spans import RequestSpans
-from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
-from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import ROLE_TO_PB, model_info_to_pb
 from llmfleet.shared.wire.kv_events import KVEventPublisher
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
@@ -111,6 +109,9 @@ class WorkerRuntime:
         self.kvstore: KVStoreSync | None = None  # with a kvstore configured
         self.registrar: Registrar | None = None
         self.request_spans = RequestSpans(self.worker_id)
+        self.admission = Admission(
+            self._engine_loop, self._routes, self.request_spans, block_size=engine_config.block_size
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
@@ -143,10 +144,10 @@ class WorkerRuntime:
             )
         self._loaded = None  # the engine owns it now
         engine = self.engine = await thread.run(LLMEngine, self.ec, loaded)
-        engine.drain_kv_events()  # turns event recording on
+        engine.kv.drain_events()  # turns event recording on
         self.model_name = engine.spec.model_id
-        L, _, bs, H, D = engine.kv_block_shape
-        dtype = dtype_name(engine.kv_dtype)
+        L, _, bs, H, D = engine.kv.block_shape
+        dtype = dtype_name(engine.kv.dtype)
         self.kv_layout = dataplane_pb2.KVLayout(
             num_layers=L, block_size=bs, num_kv_heads=H, head_dim=D, dtype=dtype
         )
@@ -164,7 +165,7 @@ class WorkerRuntime:
             self.prefill = PrefillSide(
                 self._ctx,
                 self._engine_loop,
-                self._admit_prefill,
+                self.admission.admit_prefill,
                 self.kv_layout,
                 kv_push_timeout_ms=self.wc.kv_push_timeout_ms,
             )
@@ -191,6 +192,7 @@ class WorkerRuntime:
                 events_endpoint=self.wc.kvstore_events_endpoint,
                 put_delay_s=self.wc.kvstore_put_delay_ms / 1000,
             )
+            self.admission.kvstore = self.kvstore
             await self.kvstore.start()
         if self.wc.router_address:
             self.registrar = Registrar(
@@ -306,7 +308,7 @@ class WorkerRuntime:
             if self.prefill is not None:
                 self.prefill.take(out)  # a prefill-only request's output (it has no route)
         # Read everything needed from the engine before the first await (a step may follow).
-        stored, removed = engine.drain_kv_events()
+        stored, removed = engine.kv.drain_events()
         done = [o.request_id for o in outputs if o.finished]  # pushed already (_push)
         self._update_metrics(num_generated)
         for rid in done:
@@ -331,66 +333,7 @@ class WorkerRuntime:
             PREFIX_HITS.labels(name).inc(stats.num_hits - c.prefix_hits_reported)
             c.prefix_hits_reported = stats.num_hits
 
-    # ---- admission ---------------------------------------------------------------------------
-    async def _admit(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        cache_salt: str,
-        *,
-        reply_endpoint: str | None,
-        prefill_only: bool,
-    ) -> int:
-        """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached."""
-        engine, loop = self._engine_loop()
-        hashes = hash_block_chain(
-            prompt, self.ec.block_size, HashContext(engine.spec.model_id, cache_salt)
-        )
-        kvstore = self.kvstore
-        rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
-
-        def admit(num_remote: int | None) -> int:
-            num_cached = engine.num_cached_prefix_blocks(hashes)
-            engine.add_request(
-                request_id, prompt, params, cache_salt=cache_salt, prefill_only=prefill_only
-            )
-            if reply_endpoint:
-                self._routes[request_id] = reply_endpoint
-            if kvstore is not None and num_remote is not None and num_remote < len(hashes):
-                kvstore.expect_put(request_id, hashes[num_remote:], rpc_span)
-            self.request_spans.admitted(
-                request_id, rpc_span, len(prompt), params.n, prefill_only=prefill_only
-            )
-            return num_cached
-
-        if kvstore is None or kvstore.view_holds_none(hashes):
-            # Nothing to fetch (no kvstore, or its view holds none of the chain): validation
-            # and admission are one engine op, one hop on the TTFT path.
-            # (`add_request` validates.)
-            num_cached_blocks = await loop.call(admit, None if kvstore is None else 0)
-        else:
-            valid = loop.submit(engine.validate_request, request_id, prompt, params)
-            # The kvstore fetch starts while the request is validated (both are on the TTFT
-            # path); an invalid request cancels it.
-            fetch = asyncio.create_task(kvstore.fetch_prefix(hashes))
-            try:
-                await valid
-            except BaseException:
-                fetch.cancel()
-                raise
-            num_cached_blocks = await loop.call(admit, await fetch)
-        PROMPT_TOKENS.labels(self.model_name).inc(len(prompt))
-        tokens = num_cached_blocks * self.ec.block_size
-        return max(0, tokens - self.ec.block_size) if tokens >= len(prompt) else tokens
-
-    async def _admit_prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str
-    ) -> int:
-        return await self._admit(
-            request_id, prompt, params, cache_salt, reply_endpoint=None, prefill_only=True
-        )
-
+    # ---- access ------------------------------------------------------------------------------
     def _engine_loop(self) -> tuple[LLMEngine, EngineLoop]:
         if self.engine is None or self.loop is None or self._stopped:
             raise FailedPrecondition("the worker is not serving")

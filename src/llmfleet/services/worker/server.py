@@ -51,7 +51,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             if not request.reply_endpoint:
                 raise ValidationError("reply_endpoint", "must be set")
             params = sampling_from_pb(request.sampling)
-            num_cached = await self._admit(
+            num_cached = await self.admission.admit(
                 request.request_id,
                 list(request.prompt_token_ids),
                 params,

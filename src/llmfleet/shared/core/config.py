@@ -45,7 +45,8 @@ class EngineConfig:
     # start-up (capped by max_num_seqs); 0 runs every step eagerly. Ignored on the CPU.
     cuda_graph_max_batch_size: int = 64
     # With CUDA graphs: launch the next decode step from the current one's token ids on the
-    # device, before reading them back, so the host's work hides under the GPU's (engine.py).
+    # device, before reading them back, so the host's work hides under the GPU's
+    # (engine/async_scheduling.py).
     async_scheduling: bool = True
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).

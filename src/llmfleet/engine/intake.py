@@ -1,0 +1,137 @@
+"""Request intake: the checks a request must pass to enter the engine, and the sequences it
+becomes.
+
+Policy over the model's spec, the sampling limits and the KV cache's geometry. It holds no
+request state and mutates nothing: the engine tells it whether a request id is in use, and
+admits the sequences it builds. Errors are typed: `ValidationError` names the parameter,
+`CapacityError` says the cache could never hold the request.
+
+A request with `n > 1` becomes n sequences `rid#0`.. (one sequence `rid` when n == 1), each
+with the request's stop ids (plus the model's eos ids unless `ignore_eos`), the hash context of
+its prefix-cache blocks (model id, cache salt) and, when seeded, its own generator on the
+engine's device seeded `seed + i`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmfleet.engine.block_manager import BlockManager
+from llmfleet.engine.request import Request
+from llmfleet.models.loader import ModelSpec
+from llmfleet.shared.core.block_hash import HashContext
+from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
+
+
+class RequestIntake:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        limits: SamplingLimits,
+        block_manager: BlockManager,
+        *,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.limits = limits
+        self.block_manager = block_manager  # read for the cache's geometry only
+        self.max_model_len = max_model_len
+        self.device = device
+
+    def check(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        in_use: bool,
+    ) -> None:
+        """Raises ValidationError or CapacityError; `in_use`: the engine knows the id already."""
+        if not request_id:
+            raise ValidationError("request_id", "must not be empty")
+        if in_use:
+            raise ValidationError("request_id", f"{request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValidationError("prompt", "must not be empty")
+        vocab = self.spec.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValidationError(
+                    "prompt_token_ids",
+                    f"token id {t!r} at position {i} is outside the vocabulary [0, {vocab})",
+                )
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValidationError(
+                    "stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})"
+                )
+        params.check_against(
+            self.limits, num_prompt_tokens=len(prompt_token_ids), max_model_len=self.max_model_len
+        )
+        needed = self.block_manager.blocks_needed(len(prompt_token_ids) + params.max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise CapacityError(
+                f"request needs {needed} KV blocks but the cache has "
+                f"{self.block_manager.num_blocks}"
+            )
+
+    def check_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        num_blocks: int,
+    ) -> None:
+        """What a request whose prompt was computed elsewhere must satisfy beyond `check`: one
+        completion, a prompt that fills its reserved blocks, a first token in the vocabulary."""
+        if params.n != 1:
+            raise ValidationError("sampling.n", "must be 1 for a disaggregated request")
+        if self.block_manager.blocks_needed(len(prompt_token_ids)) != num_blocks:
+            raise ValidationError(
+                "prompt_token_ids",
+                f"{len(prompt_token_ids)} tokens do not fill the {num_blocks} reserved blocks",
+            )
+        if not 0 <= first_token_id < self.spec.vocab_size:
+            raise ValidationError("first_token_id", f"{first_token_id} is outside the vocabulary")
+
+    def sequences(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+    ) -> list[Request]:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.spec.eos_token_ids)
+        context = HashContext(model_id=self.spec.model_id, cache_salt=cache_salt)
+        seqs = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed((params.seed + i) % 2**64)
+            seqs.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    prompt_token_ids=list(prompt_token_ids),
+                    params=params,
+                    stop_token_ids=frozenset(stop_ids),
+                    block_size=self.block_manager.block_size,
+                    hash_context=context,
+                    generator=generator,
+                    parent_id=request_id,
+                    index=i,
+                )
+            )
+        return seqs
+
+    def skip_first_draw(self, req: Request) -> None:
+        """Advance a seeded sequence's generator past the draw that sampled its first token
+        elsewhere, so its later tokens equal those of a run that sampled that token here."""
+        if req.generator is not None and not req.params.greedy:
+            # The sampler drew V exponentials from it for the first token (see sampler.py).
+            torch.empty(self.spec.vocab_size, device=self.device).exponential_(
+                generator=req.generator
+            )

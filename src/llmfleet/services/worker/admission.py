@@ -1,0 +1,102 @@
+"""Admission into a running worker's engine: validate, fetch a kvstore prefix, admit, route.
+
+    admission = Admission(engine_loop, routes, request_spans, block_size=...)
+    admission.kvstore = sync        # once a kvstore is connected (start-up), else None
+    num_cached = await admission.admit(rid, prompt, params, cache_salt,
+                                       reply_endpoint=endpoint, prefill_only=False)  # AddRequest
+    num_cached = await admission.admit_prefill(rid, prompt, params, cache_salt)      # Prefill
+
+The admission proper is one engine op, between steps: the prefix-cache count, `add_request`
+(which validates), the reply route, the kvstore put to expect and the request's spans, so no
+step schedules a request before it is routed and followed. Without a kvstore, or when the
+kvstore's view holds none of the prompt's chain, that op is the whole admission (one hop on the
+TTFT path). Otherwise the request is validated (an engine op) while the kvstore fetch runs,
+both being on the TTFT path, and an invalid request cancels the fetch.
+
+Owned by the worker's event loop; `routes` is the worker's request id -> reply endpoint table,
+which this adds to and never removes from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+
+from llmfleet.services.worker.decode_side import EngineAccess
+from llmfleet.services.worker.kvstore_sync import KVStoreSync
+from llmfleet.services.worker.outputs import PROMPT_TOKENS
+from llmfleet.services.worker.request_spans import RequestSpans
+from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.core.sampling_params import SamplingParams
+
+
+class Admission:
+    def __init__(
+        self,
+        engine_loop: EngineAccess,
+        routes: dict[str, str],
+        request_spans: RequestSpans,
+        *,
+        block_size: int,
+    ) -> None:
+        self._engine_loop = engine_loop
+        self._routes = routes
+        self._request_spans = request_spans
+        self._block_size = block_size
+        self.kvstore: KVStoreSync | None = None
+
+    async def admit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+        *,
+        reply_endpoint: str | None,
+        prefill_only: bool,
+    ) -> int:
+        """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached
+        (whole blocks, one block fewer when they cover the whole prompt)."""
+        engine, loop = self._engine_loop()
+        model_id = engine.spec.model_id
+        hashes = hash_block_chain(prompt, self._block_size, HashContext(model_id, cache_salt))
+        kvstore = self.kvstore
+        rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
+
+        def admit(num_remote: int | None) -> int:
+            num_cached = engine.kv.num_cached_prefix_blocks(hashes)
+            engine.add_request(
+                request_id, prompt, params, cache_salt=cache_salt, prefill_only=prefill_only
+            )
+            if reply_endpoint:
+                self._routes[request_id] = reply_endpoint
+            if kvstore is not None and num_remote is not None and num_remote < len(hashes):
+                kvstore.expect_put(request_id, hashes[num_remote:], rpc_span)
+            self._request_spans.admitted(
+                request_id, rpc_span, len(prompt), params.n, prefill_only=prefill_only
+            )
+            return num_cached
+
+        if kvstore is None or kvstore.view_holds_none(hashes):
+            num_cached_blocks = await loop.call(admit, None if kvstore is None else 0)
+        else:
+            valid = loop.submit(engine.validate_request, request_id, prompt, params)
+            fetch = asyncio.create_task(kvstore.fetch_prefix(hashes))
+            try:
+                await valid
+            except BaseException:
+                fetch.cancel()
+                raise
+            num_cached_blocks = await loop.call(admit, await fetch)
+        PROMPT_TOKENS.labels(model_id).inc(len(prompt))
+        tokens = num_cached_blocks * self._block_size
+        return max(0, tokens - self._block_size) if tokens >= len(prompt) else tokens
+
+    async def admit_prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str
+    ) -> int:
+        """A prefill-only request (the prefill side's `Admit`): no reply route."""
+        return await self.admit(
+            request_id, prompt, params, cache_salt, reply_endpoint=None, prefill_only=True
+        )
