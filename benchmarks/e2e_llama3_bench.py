@@ -19,7 +19,7 @@ One run measures, in order:
 Roofline of a decode step = (bytes of the weights a step reads + KV bytes read) / copy
 bandwidth. The weights a step reads are all parameters but the input embedding (it reads one
 row per token); the KV read is batch x mean context x KV bytes per token.
-Targets (issue 4): batch 1 <= 1.2x the roofline, batch 64 <= 1.25x (>= 0.8x its speed).
+Targets: batch 1 <= 1.2x the roofline, batch 64 <= 1.25x (>= 0.8x its speed).
 """
 
 from __future__ import annotations
@@ -28,13 +28,20 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from decode_timing import (
+    copy_bandwidth,
+    engine_decode_ms,
+    random_prompts,
+    sync,
+    weight_bytes_per_step,
+    with_async,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmfleet.engine.engine import LLMEngine, RequestOutput
+from llmfleet.engine.engine import LLMEngine
 from llmfleet.models.loader import random_model
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
@@ -86,131 +93,29 @@ def llama3_8b_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
+# The workload the targets are stated for: Llama-3-8B's shape in bf16 on one GPU.
+# fmt: off
 FULL = Plan(
-    config=llama3_8b_config(),
-    device="cuda",
-    dtype="bfloat16",
-    copy_bytes=4 * GiB,
-    single_prompt=128,
-    single_steps=64,
-    batch=64,
-    batch_prompt=1008,
-    batch_steps=32,
-    warmup_steps=4,
-    offline_requests=256,
-    offline_lo=100,
-    offline_hi=1024,
-    max_num_seqs=256,
-    graph_max_batch=256,
-    kv_headroom_bytes=10 * GiB,
-    hf_single_tokens=(8, 40),
+    config=llama3_8b_config(), device="cuda", dtype="bfloat16", copy_bytes=4 * GiB,
+    single_prompt=128, single_steps=64, batch=64, batch_prompt=1008, batch_steps=32,
+    warmup_steps=4, offline_requests=256, offline_lo=100, offline_hi=1024, max_num_seqs=256,
+    graph_max_batch=256, kv_headroom_bytes=10 * GiB, hf_single_tokens=(8, 40),
     hf_batch_tokens=(4, 20),
 )
+# fmt: on
+# The same code paths in seconds on a CPU: FULL with every size scaled down.
+# fmt: off
 TINY = replace(
-    FULL,
+    FULL, device="cpu", dtype="float32", copy_bytes=1 << 24, kv_headroom_bytes=0,
+    single_prompt=16, single_steps=6, batch=4, batch_prompt=40, batch_steps=6, warmup_steps=2,
+    offline_requests=6, offline_lo=5, offline_hi=30, max_num_seqs=8, graph_max_batch=8,
+    hf_single_tokens=(2, 8), hf_batch_tokens=(2, 8),
     config=llama3_8b_config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     ),
-    device="cpu",
-    dtype="float32",
-    copy_bytes=1 << 24,
-    single_prompt=16,
-    single_steps=6,
-    batch=4,
-    batch_prompt=40,
-    batch_steps=6,
-    warmup_steps=2,
-    offline_requests=6,
-    offline_lo=5,
-    offline_hi=30,
-    max_num_seqs=8,
-    graph_max_batch=8,
-    kv_headroom_bytes=0,
-    hf_single_tokens=(2, 8),
-    hf_batch_tokens=(2, 8),
 )
-
-
-def sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, nbytes: int, reps: int = 20) -> float:
-    """Bytes per second of a device-to-device copy of `nbytes`, counting read + written;
-    the median of `reps` timed copies after two warm-up copies."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times)
-
-
-def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of the parameters one decode step reads: all but the input embedding table
-    (one row per token), unless the output head shares it."""
-    embed = model.get_submodule("embed_tokens").weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if getattr(model, "lm_head", None) is not None:  # None: tied, the head reads the table
-        total -= embed.numel() * embed.element_size()
-    return total
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
-
-
-def decode_intervals(
-    engine: LLMEngine, num_seqs: int, on_output: Callable[[RequestOutput], None] | None = None
-) -> list[float]:
-    """Step until nothing is unfinished. Returns the intervals (s) between consecutive
-    `engine.step()` returns that each hand all `num_seqs` sequences one token, counting those
-    that end in decode tokens (not first tokens): the batch's inter-token latencies. (With
-    async scheduling a call returns the tokens of the step launched before it, so the wall
-    time of one call is not a token's.)"""
-    intervals: list[float] = []
-    last = None  # when every sequence last received a token in one step
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
-        if on_output is not None:
-            for o in outs:
-                on_output(o)
-        if len(outs) == num_seqs and all(len(o.new_token_ids) == 1 for o in outs):
-            if last is not None and all(o.num_output_tokens > 1 for o in outs):
-                intervals.append(now - last)
-            last = now
-    return intervals
-
-
-def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
-    """Median inter-token latency (ms) of a batch decoding `steps` tokens per prompt."""
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    tag = time.monotonic_ns()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"d{tag}-{i}", p, params)
-    intervals = decode_intervals(engine, len(prompts))
-    if not intervals:
-        raise RuntimeError(f"no pure-decode step among {steps} tokens of {len(prompts)} seqs")
-    return 1e3 * statistics.median(intervals)
-
-
-def with_async(engine: LLMEngine, on: bool) -> None:
-    """Switch the engine's async scheduling (for A/B runs of one engine)."""
-    engine.config = replace(engine.config, async_scheduling=on)
+# fmt: on
 
 
 @dataclass

@@ -19,7 +19,7 @@ import argparse
 import time
 
 import torch
-from e2e_llama3_bench import decode_intervals
+from decode_timing import decode_intervals
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from llmfleet.engine.engine import LLMEngine

@@ -27,14 +27,8 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from e2e_llama3_bench import (
-    FULL,
-    build_engine,
-    copy_bandwidth,
-    engine_decode_ms,
-    random_prompts,
-    weight_bytes_per_step,
-)
+from decode_timing import copy_bandwidth, engine_decode_ms, random_prompts, weight_bytes_per_step
+from e2e_llama3_bench import FULL, build_engine
 from torch.profiler import ProfilerActivity, profile
 
 import llmfleet.kernels.paged_attention_decode as decode_attention

@@ -16,6 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_llama3_bench.p
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(BENCH.parent))  # its sibling decode_timing.py
     spec = importlib.util.spec_from_file_location("e2e_llama3_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there

@@ -145,64 +145,67 @@ def test_the_import_graph_follows_the_layers():
 
 
 def _fake_package(tmp_path: Path, files: dict[str, str]) -> tuple[list[Edge], set[str]]:
+    """A package `llmfleet` of `files` (path under it -> source; every folder a package)."""
+    root = tmp_path / "llmfleet"
     for rel, text in files.items():
-        path = tmp_path / "llmfleet" / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = root / rel
+        for folder in [path.parent, *path.parent.parents]:
+            if folder == root.parent:
+                break
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "__init__.py").touch()
         path.write_text(text)
-    modules = package_modules(tmp_path / "llmfleet", "llmfleet")
+    modules = package_modules(root, "llmfleet")
     edges = [e for name, path in modules.items() for e in imports_of(name, path)]
     return edges, set(modules)
 
 
-def test_a_wrong_way_import_is_reported(tmp_path: Path):
-    edges, known = _fake_package(
-        tmp_path,
-        {
-            "engine/__init__.py": "",
-            "engine/step.py": "def f():\n    from llmfleet.services.router import policy\n",
-            "services/__init__.py": "",
-            "services/router/__init__.py": "",
-            "services/router/policy.py": "from llmfleet.engine import step\n",
-        },
-    )
-    assert violations(edges, known) == [
-        "llmfleet.engine.step:2 imports llmfleet.services.router: engine is below services",
-        "llmfleet.engine.step:2 imports llmfleet.services.router.policy: engine is below services",
-    ]
+WRONG_WAY = {
+    "engine/step.py": "def f():\n    from llmfleet.services.router import policy\n",
+    "services/router/policy.py": "from llmfleet.engine import step\n",
+}
+SERVICE_TO_SERVICE = {
+    "services/router/a.py": "from ..worker.b import x\n",
+    "services/worker/b.py": "x = 1\n",
+}
+ENGINE_ON_THE_WIRE = {
+    "engine/policy.py": "import grpc\nfrom llmfleet.shared.wire import convert\n",
+    "shared/wire/convert.py": "",
+}
+WIRE = "the engine layer does not touch the wire"
 
 
-def test_a_service_importing_another_is_reported(tmp_path: Path):
-    edges, known = _fake_package(
-        tmp_path,
-        {
-            "services/__init__.py": "",
-            "services/router/__init__.py": "",
-            "services/router/a.py": "from ..worker.b import x\n",
-            "services/worker/__init__.py": "",
-            "services/worker/b.py": "x = 1\n",
-        },
-    )
-    assert violations(edges, known) == [
-        "llmfleet.services.router.a:1 imports llmfleet.services.worker.b: "
-        "service router imports service worker"
-    ]
-
-
-def test_core_logic_touching_grpc_is_reported(tmp_path: Path):
-    edges, known = _fake_package(
-        tmp_path,
-        {
-            "engine/__init__.py": "",
-            "engine/policy.py": "import grpc\nfrom llmfleet.shared.wire import convert\n",
-            "shared/__init__.py": "",
-            "shared/wire/__init__.py": "",
-            "shared/wire/convert.py": "",
-        },
-    )
-    assert violations(edges, known) == [
-        "llmfleet.engine.policy:1 imports grpc: the engine layer does not touch the wire",
-        "llmfleet.engine.policy:2 imports llmfleet.shared.wire: the engine layer does not touch "
-        "the wire",
-        "llmfleet.engine.policy:2 imports llmfleet.shared.wire.convert: the engine layer does not "
-        "touch the wire",
-    ]
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        (
+            WRONG_WAY,
+            [
+                "llmfleet.engine.step:2 imports llmfleet.services.router: engine is below services",
+                "llmfleet.engine.step:2 imports llmfleet.services.router.policy: engine is below "
+                "services",
+            ],
+        ),
+        (
+            SERVICE_TO_SERVICE,
+            [
+                "llmfleet.services.router.a:1 imports llmfleet.services.worker.b: service router "
+                "imports service worker"
+            ],
+        ),
+        (
+            ENGINE_ON_THE_WIRE,
+            [
+                f"llmfleet.engine.policy:1 imports grpc: {WIRE}",
+                f"llmfleet.engine.policy:2 imports llmfleet.shared.wire: {WIRE}",
+                f"llmfleet.engine.policy:2 imports llmfleet.shared.wire.convert: {WIRE}",
+            ],
+        ),
+    ],
+    ids=["wrong-way", "service-to-service", "engine-on-the-wire"],
+)
+def test_the_checker_reports_each_rule_break(
+    tmp_path: Path, files: dict[str, str], expected: list[str]
+) -> None:
+    edges, known = _fake_package(tmp_path, files)
+    assert violations(edges, known) == expected
