@@ -12,6 +12,7 @@ ports are the spec's unless 0.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -19,8 +20,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from llmfleet.shared.core.config import ROUTING_POLICIES
+from llmfleet.shared.core.config import ROUTING_POLICIES, EngineConfig
+from llmfleet.shared.core.engine_flags import engine_argv
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 
 MODULES = {
@@ -31,6 +34,8 @@ MODULES = {
     "gateway": "llmfleet.services.gateway",
 }
 _TAIL_LINES = 40
+# The engine settings FleetSpec names itself (the tokenizer and gateway take the model too).
+_OWN_FIELDS = ("model", "device", "dtype", "quantization")
 
 
 class FleetStartError(LLMFleetError):
@@ -52,6 +57,9 @@ class FleetSpec:
     device: str | None = None
     dtype: str | None = None
     quantization: str | None = None  # "fp8": workers quantize their weights at load
+    # Every other EngineConfig field the workers take, by name, e.g. {"max_num_seqs": 256,
+    # "simulate": True}; unset fields take the workers' defaults.
+    engine: Mapping[str, Any] = field(default_factory=dict)
     routing_policy: str | None = None
     kvstore: bool = True
     gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
@@ -76,6 +84,10 @@ class FleetSpec:
                 raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.routing_policy is not None and self.routing_policy not in ROUTING_POLICIES:
             raise ValidationError("routing_policy", f"must be one of {', '.join(ROUTING_POLICIES)}")
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(_OWN_FIELDS)
+        if set(self.engine) - engine_fields:
+            unknown = sorted(set(self.engine) - engine_fields)
+            raise ValidationError("engine", f"not engine settings here: {unknown}")
         unknown = (set(self.extra_args) | set(self.modules)) - set(MODULES)
         if unknown:
             raise ValidationError("extra_args", f"unknown service kinds {sorted(unknown)}")
@@ -169,15 +181,8 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         ]
         return Child(name, kind, f"{h}:{port}", argv, log_dir / f"{name}.log", role)
 
-    engine: list[str] = []
-    for flag, value in (
-        ("--model", spec.model),
-        ("--device", spec.device),
-        ("--dtype", spec.dtype),
-        ("--quantization", spec.quantization),
-    ):
-        if value is not None:
-            engine += [flag, value]
+    own = {f: getattr(spec, f) for f in _OWN_FIELDS}
+    engine = engine_argv({**own, **spec.engine})
 
     first: list[Child] = []
     kv_args: list[str] = []

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 
 from llmfleet.cli.benchserve import args as bench_args
+from llmfleet.cli.generate import ENGINE_FLAGS
+from llmfleet.shared.core.engine_flags import add_engine_flags
 
 _GENERATE_EPILOG = """\
 output: the completion's text and a newline. With --n N > 1, each completion is preceded by a
@@ -75,6 +77,8 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="do not copy children's logs to stderr")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    engine = p.add_argument_group("the workers' engine (see python -m llmfleet.services.worker)")
+    add_engine_flags(engine, skip=ENGINE_FLAGS)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ fleet did not start or a child exited; bad arguments raise `ValidationError` (st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -17,7 +18,13 @@ from typing import IO
 from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError
 from llmfleet.cli.generate import ENGINE_FLAGS, remote_chat
 from llmfleet.cli.launcher import Fleet, write_line
+from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import ValidationError
+
+# The engine settings `up` forwards to its workers as they are (ENGINE_FLAGS choose the model).
+ENGINE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(EngineConfig) if f.name not in ENGINE_FLAGS
+)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -36,6 +43,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        engine={f: getattr(args, f) for f in ENGINE_FIELDS if getattr(args, f) is not None},
         routing_policy=args.routing_policy,
         kvstore=not args.no_kvstore,
         gateway=not args.no_gateway,

@@ -14,9 +14,9 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.engine import LLMEngine, load_for
 from llmfleet.engine.request import RequestOutput
-from llmfleet.models.loader import LoadedModel, load_model
+from llmfleet.models.loader import LoadedModel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.outputs import Completion
 from llmfleet.shared.core.sampling_params import SamplingParams
@@ -52,12 +52,7 @@ class LLM:
         self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None
     ) -> None:
         config = config or EngineConfig()
-        loaded = loaded or load_model(
-            config.model,
-            dtype=config.torch_dtype,
-            device=config.device,
-            quantization=config.quantization,
-        )
+        loaded = loaded or load_for(config)
         self.engine = LLMEngine(config, loaded)
         self.tokenizer = loaded.tokenizer
         self._ids = itertools.count()

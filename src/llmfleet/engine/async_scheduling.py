@@ -70,7 +70,7 @@ class DecodeChain:
         scheduler: Scheduler,
         block_manager: BlockManager,
         sampler: Sampler,
-        model_shape: ModelShape,
+        model_shape: ModelShape | None,  # None: no work estimate (a simulated model)
         *,
         enabled: bool,
         max_model_len: int,
@@ -132,7 +132,9 @@ class DecodeChain:
         self.num_chained_steps += 1
         n = len(reqs)
         batch = StepBatch((1,) * n, tuple(r.num_tokens for r in reqs), n)
-        cost = estimate_step_cost(self.model_shape, batch)
+        cost = (
+            StepCost() if self.model_shape is None else estimate_step_cost(self.model_shape, batch)
+        )
         for req in reqs:
             req.num_computed_tokens += 1  # the pending token, appended when read back
         rows = [SamplingRow.of(req) for req in reqs]

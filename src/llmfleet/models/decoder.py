@@ -89,6 +89,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def kv_geometry(config: Any) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of an HF decoder config."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    return num_kv_heads, getattr(config, "head_dim", None) or config.hidden_size // num_heads
+
+
 class DecoderForCausalLM(CausalLM):
     """Llama-style decoder. Subclasses override `qkv_bias`, `qk_norm` and `make_mlp`."""
 
@@ -101,8 +108,7 @@ class DecoderForCausalLM(CausalLM):
         self.backend = backend if backend is not None else TorchReferenceBackend()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        num_kv_heads, self.head_dim = kv_geometry(config)
         self.num_kv_heads = num_kv_heads
         eps = config.rms_norm_eps
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from llmfleet.models.checkpoint_files import (
     safetensors_files,
     safetensors_names,
 )
-from llmfleet.models.decoder import DecoderForCausalLM
+from llmfleet.models.decoder import DecoderForCausalLM, kv_geometry
 from llmfleet.models.fp8_linear import check_quantization, use_fp8_linears
 from llmfleet.models.gguf_file import GGUFFile
 from llmfleet.models.int4_checkpoint import Int4CheckpointFormat, checkpoint_format
@@ -38,6 +39,7 @@ from llmfleet.models.int4_linear import use_int4_linears
 from llmfleet.models.int4_loading import int4_checkpoint_weights, int4_packed_weights, keeps_int4
 from llmfleet.models.layers import RMSNorm
 from llmfleet.models.rotary import RotaryEmbedding
+from llmfleet.models.simulated import SimulatedModel
 from llmfleet.models.tokenizer import (
     as_ids,
     dir_eos_ids,
@@ -71,9 +73,67 @@ class ModelSpec:
 
 @dataclass
 class LoadedModel:
-    model: CausalLM
+    model: CausalLM | SimulatedModel  # SimulatedModel: a step-time model, no weights
     spec: ModelSpec
     tokenizer: PreTrainedTokenizerBase | None  # None: a token-ids-only model (random_model)
+
+
+@dataclass
+class Checkpoint:
+    """What a model path holds before any weight is read."""
+
+    path: Path  # the checkpoint directory or .gguf file
+    config: Any  # its HF config (a GGUF file's is built from its metadata)
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+    eos_token_ids: tuple[int, ...]  # the config's, then the tokenizer's and its end-of-turn ids
+    bos_token_id: int | None
+    gguf: GGUFFile | None = None  # the open GGUF file, for its tensors
+
+    def spec(self, dtype: torch.dtype, architecture: str) -> ModelSpec:
+        return model_spec(
+            self.config,
+            self.model_id,
+            dtype,
+            architecture,
+            eos_token_ids=self.eos_token_ids,
+            bos_token_id=self.bos_token_id,
+        )
+
+
+def open_checkpoint(path: str | None) -> Checkpoint:
+    """The config and tokenizer of `path` (None: the bundled SmolLM2-135M-Instruct); fails
+    with ModelLoadError on a missing file or an unsupported architecture."""
+    resolved = resolve_model_path(path)
+    gf: GGUFFile | None = None
+    if resolved.is_dir():
+        if not (resolved / "config.json").is_file():
+            raise ModelLoadError(f"{resolved} has no config.json")
+        config = AutoConfig.from_pretrained(resolved)
+        model_class(config)  # fail on an unsupported architecture before reading anything
+        tokenizer = dir_tokenizer(resolved)
+        eos_ids = dir_eos_ids(resolved, config)
+        model_id = resolved.name
+    elif resolved.suffix == ".gguf":
+        gf = GGUFFile(resolved)
+        config = gf.config()
+        tokenizer = gguf_tokenizer(resolved)
+        eos_ids = as_ids(config.eos_token_id)
+        model_id = BUNDLED_MODEL_ID if path is None else resolved.stem
+    else:
+        raise ModelLoadError(f"{resolved} is neither a checkpoint directory nor a .gguf file")
+    bos = getattr(config, "bos_token_id", None)
+    if bos is None:
+        bos = tokenizer.bos_token_id
+    return Checkpoint(
+        path=resolved,
+        config=config,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        eos_token_ids=eos_token_ids(eos_ids, tokenizer),
+        bos_token_id=None if bos is None else int(bos),
+        gguf=gf,
+    )
 
 
 def build_model(
@@ -94,23 +154,25 @@ def build_model(
     return model.eval()
 
 
-def _model_spec(
+def model_spec(
     config: Any,
-    model: DecoderForCausalLM,
     model_id: str,
     dtype: torch.dtype,
+    architecture: str,
     *,
     eos_token_ids: tuple[int, ...] = (),
     bos_token_id: int | None = None,
 ) -> ModelSpec:
+    """The spec of a model of `config` (the KV geometry as the decoder derives it)."""
+    num_kv_heads, head_dim = kv_geometry(config)
     return ModelSpec(
         model_id=model_id,
-        architecture=type(model).__name__,
+        architecture=architecture,
         vocab_size=int(config.vocab_size),
         max_model_len=int(config.max_position_embeddings),
         num_layers=int(config.num_hidden_layers),
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         hidden_size=int(config.hidden_size),
         eos_token_ids=eos_token_ids,
         bos_token_id=bos_token_id,
@@ -139,9 +201,8 @@ def random_model(
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-    return LoadedModel(
-        model=model, spec=_model_spec(config, model, model_id, dtype), tokenizer=None
-    )
+    spec = model_spec(config, model_id, dtype, type(model).__name__)
+    return LoadedModel(model=model, spec=spec, tokenizer=None)
 
 
 def _stream_with_progress(
@@ -173,33 +234,19 @@ def load_model(
     (fp8_linear.py); needs CUDA sm_89+ and a 16-bit `dtype` (ValidationError otherwise)."""
     start = time.perf_counter()
     check_quantization(quantization, device, dtype)  # before reading anything
-    resolved = resolve_model_path(path)
-    gf: GGUFFile | None = None
+    ckpt = open_checkpoint(path)
+    config, resolved, gf = ckpt.config, ckpt.path, ckpt.gguf
     int4_format: Int4CheckpointFormat | None = None
     names: list[str] = []  # a checkpoint directory's tensor names
-    if resolved.is_dir():
-        if not (resolved / "config.json").is_file():
-            raise ModelLoadError(f"{resolved} has no config.json")
-        config = AutoConfig.from_pretrained(resolved)
-        model_class(config)  # fail on an unsupported architecture before reading anything
+    if gf is None:
         int4_format = checkpoint_format(config)
         files = safetensors_files(resolved)
         names = safetensors_names(files)
         total = len(names)
         weights: Iterable[tuple[str, Any]] = iter_safetensors(files)
-        tokenizer = dir_tokenizer(resolved)
-        eos_ids = dir_eos_ids(resolved, config)
-        model_id = resolved.name
-    elif resolved.suffix == ".gguf":
-        gf = GGUFFile(resolved)
-        config = gf.config()
+    else:
         total = len(gf.reader.tensors)
         weights = gf.tensors(config)
-        tokenizer = gguf_tokenizer(resolved)
-        eos_ids = as_ids(config.eos_token_id)
-        model_id = BUNDLED_MODEL_ID if path is None else resolved.stem
-    else:
-        raise ModelLoadError(f"{resolved} is neither a checkpoint directory nor a .gguf file")
 
     cls_name = model_class(config).__name__
     logger.log(
@@ -227,21 +274,23 @@ def load_model(
     if quantization == "fp8":
         use_fp8_linears(model)
 
-    bos = getattr(config, "bos_token_id", None)
-    if bos is None:
-        bos = tokenizer.bos_token_id
-    spec = _model_spec(
-        config,
-        model,
-        model_id,
-        dtype,
-        eos_token_ids=eos_token_ids(eos_ids, tokenizer),
-        bos_token_id=None if bos is None else int(bos),
-    )
+    spec = ckpt.spec(dtype, type(model).__name__)
     logger.log(
         logging.INFO if progress else logging.DEBUG,
         "loaded %s in %.1f s",
-        model_id,
+        ckpt.model_id,
         time.perf_counter() - start,
     )
-    return LoadedModel(model=model, spec=spec, tokenizer=tokenizer)
+    return LoadedModel(model=model, spec=spec, tokenizer=ckpt.tokenizer)
+
+
+def load_simulated(path: str | None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The simulated model of `path` (models/simulated.py): its tokenizer, EOS ids and KV
+    geometry, no weights; `dtype` is the (simulated) KV cache's."""
+    ckpt = open_checkpoint(path)
+    special = set(ckpt.tokenizer.all_special_ids) | set(ckpt.eos_token_ids)
+    vocab = int(ckpt.config.vocab_size)
+    ordinary = tuple(t for t in range(min(vocab, len(ckpt.tokenizer))) if t not in special)
+    model = SimulatedModel(ordinary)
+    logger.info("simulating %s (%d ordinary tokens)", ckpt.model_id, len(ordinary))
+    return LoadedModel(model=model, spec=ckpt.spec(dtype, "Simulated"), tokenizer=ckpt.tokenizer)

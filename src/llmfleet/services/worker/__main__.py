@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from llmfleet.shared.core.config import WORKER_ROLES, EngineConfig, WorkerConfig
+from llmfleet.shared.core.engine_flags import add_engine_flags
 from llmfleet.shared.wire.service_main import ServiceMain
 
 
@@ -40,30 +41,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl-ms", type=int, help="default lifetime of KV leases granted here")
     p.add_argument("--kv-push-timeout-ms", type=int, help="prefill: wait this long for acks")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain period on SIGTERM")
-    p.add_argument("--model", help="HF checkpoint directory or .gguf file (default: bundled)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16")
-    p.add_argument(
-        "--quantization",
-        choices=["fp8"],
-        help="fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, 16-bit dtype)",
-    )
-    p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
-    p.add_argument("--max-num-seqs", type=int, help="sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step")
-    p.add_argument("--max-model-len", type=int, help="context length cap")
-    p.add_argument(
-        "--cuda-graph-max-batch-size",
-        type=int,
-        help="CUDA: replay graphs for decode batches up to this size (default 64; 0: eager)",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        help="CUDA graphs: launch each decode step before the previous one's tokens are read "
-        "back (default on)",
-    )
+    add_engine_flags(p)
 
 
 SERVICE = ServiceMain(

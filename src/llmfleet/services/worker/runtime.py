@@ -31,9 +31,9 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2
 
-from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.engine import LLMEngine, load_for
 from llmfleet.engine.request import RequestOutput
-from llmfleet.models.loader import LoadedModel, load_model
+from llmfleet.models.loader import LoadedModel
 from llmfleet.services.worker.admission import Admission
 from llmfleet.services.worker.decode_side import DecodeSide
 from llmfleet.services.worker.kv_transfer import KVPusher
@@ -134,14 +134,7 @@ class WorkerRuntime:
         loaded = self._loaded
         thread = self.engine_thread  # every torch op of this process runs there (loop.py)
         if loaded is None:
-            ec = self.ec
-            loaded = await thread.run(
-                load_model,
-                ec.model,
-                dtype=ec.torch_dtype,
-                device=ec.device,
-                quantization=ec.quantization,
-            )
+            loaded = await thread.run(load_for, self.ec)
         self._loaded = None  # the engine owns it now
         engine = self.engine = await thread.run(LLMEngine, self.ec, loaded)
         engine.kv.drain_events()  # turns event recording on
@@ -156,7 +149,9 @@ class WorkerRuntime:
         self.publisher = KVEventPublisher(self._ctx, self.wc.host, self.worker_id)
         self.kv_events_endpoint = self.publisher.endpoint
         self.sinks = ReplySinks(self._ctx, self.worker_id)
-        yield_s = self.wc.first_token_yield_ms / 1e3 if engine.device.type == "cpu" else 0.0
+        # A CPU forward pass takes every core; a GPU's or a simulated one leaves them free.
+        on_cpu = engine.device.type == "cpu" and not engine.simulated
+        yield_s = self.wc.first_token_yield_ms / 1e3 if on_cpu else 0.0
         self.loop = EngineLoop(
             engine, self._on_iteration, thread, first_token_yield_s=yield_s, on_step=self._push
         )

@@ -51,8 +51,21 @@ class EngineConfig:
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
     quantization: str | None = None
+    # A simulated model (models/simulated.py): the checkpoint's tokenizer and KV geometry, no
+    # weights, and a forward pass that takes sim_step_ms + sim_decode_ms_per_seq per decoding
+    # sequence + sim_prefill_ms_per_token per prompt token (defaults: an 8B model on one
+    # H100-class GPU), for benchmarking and testing the fleet on CPUs.
+    simulate: bool = False
+    sim_step_ms: float = 5.5
+    sim_decode_ms_per_seq: float = 0.055
+    sim_prefill_ms_per_token: float = 0.04
 
     def __post_init__(self) -> None:
+        for name in ("sim_step_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
+            if not 0 <= getattr(self, name) <= 60_000:
+                raise ValidationError(name, f"must be in [0, 60000], got {getattr(self, name)}")
+        if self.simulate and self.quantization is not None:
+            raise ValidationError("quantization", "a simulated model has no weights to quantize")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValidationError(
                 "dtype", f"must be float32, bfloat16 or float16, got {self.dtype}"

@@ -1,0 +1,89 @@
+"""Command-line flags for every `EngineConfig` field: the worker's own (`python -m
+llmfleet.services.worker`) and `llmfleet up`'s, which it forwards to each worker it starts.
+
+A field's flag is its name with dashes (`max_num_seqs` -> `--max-num-seqs`); its type follows
+the field's annotation, and a boolean field is a pair `--x` / `--no-x`. A flag left out parses
+as None, which leaves the `LLMFLEET_<FIELD>` variable or the field's default in place.
+`engine_argv` turns parsed values back into flags, so what `llmfleet up` was given reaches
+the workers unchanged. Every field has a help text here (a test checks it), so a new engine
+setting is reachable from the command line as soon as it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from llmfleet.shared.core.config import EngineConfig
+
+HELP = {
+    "model": "HF checkpoint directory or .gguf file (default: the bundled SmolLM2)",
+    "device": "cpu, cuda or cuda:N (default cpu)",
+    "dtype": "weights and KV cache dtype (default float32)",
+    "block_size": "tokens per KV block, a power of two (default 16)",
+    "num_kv_blocks": "KV cache size in blocks (default: from --kv-cache-bytes)",
+    "kv_cache_bytes": "KV cache size in bytes when --num-kv-blocks is not given (default 1 GiB)",
+    "max_num_seqs": "sequences per engine step (default 64)",
+    "max_num_batched_tokens": "tokens per engine step (default 2048)",
+    "max_model_len": "context length cap (default: the model's)",
+    "enable_prefix_caching": "share cached KV blocks between requests with a common prefix",
+    "max_n": "completions per request, at most (default 16)",
+    "max_logprobs": "top logprobs per position, at most (default 20)",
+    "num_threads": "CPU: intra-op threads (default: torch's)",
+    "cuda_graph_max_batch_size": "CUDA: replay graphs for decode batches up to this size "
+    "(default 64; 0: eager)",
+    "async_scheduling": "CUDA graphs: launch each decode step before the previous one's tokens "
+    "are read back (default on)",
+    "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
+    "16-bit dtype)",
+    "simulate": "run a simulated model: the checkpoint's tokenizer, a step-time model for its "
+    "forward pass (no weights, no accelerator)",
+    "sim_step_ms": "simulated: milliseconds every step takes (default 5.5)",
+    "sim_decode_ms_per_seq": "simulated: milliseconds per decoding sequence (default 0.055)",
+    "sim_prefill_ms_per_token": "simulated: milliseconds per prompt token (default 0.04)",
+}
+_CHOICES = {"quantization": ["fp8"]}
+
+
+def _base_type(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Collection[str] = ()) -> None:
+    """One flag per EngineConfig field not in `skip`; each parses to None when left out."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        base = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"default": None, "help": HELP[f.name]}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif base is int:
+            kwargs["type"] = lambda s: int(s, 0)
+            kwargs["metavar"] = "N"
+        elif base is float:
+            kwargs["type"] = float
+            kwargs["metavar"] = "X"
+        if f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
+        parser.add_argument(flag, dest=f.name, **kwargs)
+
+
+def engine_argv(values: Mapping[str, Any]) -> list[str]:
+    """The worker flags that set these EngineConfig fields (None values are left out)."""
+    argv: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
