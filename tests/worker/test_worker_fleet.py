@@ -4,6 +4,7 @@ kvstore (a prompt first served by worker A is found cached by worker B)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -20,8 +21,10 @@ from worker_helpers import BS, Replies, add_request_pb, prompt, run, start_worke
 
 from llmfleet.models.loader import load_model
 from llmfleet.services.kvstore.server import serve as serve_kvstore
+from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.shared.core.config import KVStoreConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.transport import tensor_frame
 from llmfleet.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -135,6 +138,52 @@ def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
             assert st.kvstore_blocks_fetched == 5
             assert st.kvstore_blocks_stored == 0  # the kvstore had every full block already
         finally:
+            await _stop(ctx, replies, kv, a, b)
+
+    run(body())
+
+
+def test_blocks_evicted_between_lookup_and_get_are_computed_instead(loaded):
+    """The kvstore evicts the chain its lookup reported before the get: the get returns no
+    block, and the request runs as if the store held none (no error, the same tokens)."""
+    ids = prompt(loaded, 21, seed=13)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        a = await start_worker(loaded)
+        block = a.engine.kv.block_shape
+        block_bytes = math.prod(block) * a.engine.kv.dtype.itemsize
+        kv = await serve_kvstore(KVStoreConfig(ram_bytes=8 * block_bytes))  # room for 8 blocks
+        kw = dict(kvstore_address=kv.address, kvstore_endpoint=kv.data_endpoint)
+        b = await start_worker(loaded, **kw)
+        replies = Replies(ctx)
+        other = KVStoreClient(kv.address, kv.data_endpoint, ctx=ctx)
+        try:
+            ra = await stub(a).AddRequest(add_request_pb("x", ids, params, replies.endpoint))
+            [ca] = await replies.until_finished("x")
+            payload = a.engine.kv.read_cached_blocks(a.engine.kv.cached_block_hashes()[:5])
+            chain = a.engine.kv.cached_block_hashes()[:5]
+            await other.put(b.kv_layout_key, chain, [tensor_frame(p) for p in payload])
+            assert await other.lookup(b.kv_layout_key, chain) == 5
+            lookup = b.kvstore.client.lookup
+
+            async def lookup_then_evict(layout, hashes):
+                found = await lookup(layout, hashes)
+                filler = [bytes([i]) * 32 for i in range(8)]  # 8 other blocks evict the chain
+                await other.put(
+                    layout, filler, [tensor_frame(p) for p in payload[:1].repeat(8, 1, 1, 1, 1, 1)]
+                )
+                return found
+
+            b.kvstore.client.lookup = lookup_then_evict
+            rb = await stub(b).AddRequest(add_request_pb("y", ids, params, replies.endpoint))
+            assert (ra.num_cached_tokens, rb.num_cached_tokens) == (0, 0)
+            [cb] = await replies.until_finished("y")
+            assert cb.tokens == ca.tokens
+            assert (await stats(b)).kvstore_blocks_fetched == 0
+        finally:
+            await other.close()
             await _stop(ctx, replies, kv, a, b)
 
     run(body())

@@ -104,7 +104,8 @@ class KVStoreSync:
         """Import the kvstore's part of the chain beyond the local prefix cache.
 
         Returns how many leading blocks the kvstore holds (None: unreachable, or no hashes;
-        the request then runs without it)."""
+        the request then runs without it). Blocks the store evicts between the lookup and the
+        get are not held: the get's answer counts, and may be none."""
         if not hashes:
             return None
         engine = self._engine
@@ -113,16 +114,18 @@ class KVStoreSync:
         try:
             num_remote = await self.client.lookup(self._layout_key, hashes)
             num_local = await local
-            if num_remote > num_local:
-                frames = await self.client.get(self._layout_key, hashes[:num_remote])
+            if num_remote <= num_local:
+                return num_remote
+            frames = await self.client.get(self._layout_key, hashes[:num_remote])
+            if frames:
                 shape, dtype = engine.kv.block_shape, engine.kv.dtype
                 views = [frame_tensor(f, dtype, shape) for f in frames]
                 got = hashes[: len(frames)]
-                imported = await self._loop.call(
+                imported = await self._loop.call(  # torch runs on the engine thread
                     lambda: engine.kv.import_cached_blocks(got, torch.stack(views))
                 )
                 self.num_blocks_fetched += imported
-            return num_remote
+            return len(frames)
         except (LLMFleetError, MalformedFrame) as e:
             logger.warning("kvstore unavailable for a prefix fetch: %s", e)
             return None
