@@ -1,8 +1,8 @@
 """Small in-process fakes of the router's peers, speaking the real wire contract.
 
 - `FakeTokenizer`: byte-level. Tokenize: text -> its UTF-8 bytes as ids (chat: "role: content\\n"
-  per message). Detokenize: ids -> bytes -> text, stop strings applied (text held back while it
-  could still grow into one), `start` unanswered, one response per `tokens` message.
+  per message). Detokenize: many sequences per stream, ids -> bytes -> text, stop strings applied
+  (text held back while it could still grow into one), one response per request with feeds.
 - `FakeWorker`: a grpc.aio Worker servicer with a deterministic "model": the token at absolute
   position p of completion i is the letter `chr(97 + (p + i) % 26)`, so a request re-submitted
   with prompt + streamed tokens continues exactly where it stopped. It pushes one TokenBatch per
@@ -71,9 +71,10 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = ""
+        self.detokenize_requests: list[tokenizer_pb2.DetokenizeRequest] = []  # every stream's
 
-    async def start(self) -> None:
-        port = self.server.add_insecure_port("127.0.0.1:0")
+    async def start(self, port: int = 0) -> None:
+        port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.address = f"127.0.0.1:{port}"
@@ -97,32 +98,56 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Detokenize(
         self, request_iterator, context
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        stops: list[str] = []
-        include = False
-        data = b""
-        emitted = 0
-        stop_hit = ""
+        sequences: dict[int, _ByteSequence] = {}
         async for req in request_iterator:
-            if req.WhichOneof("kind") == "start":
-                stops = list(req.start.stop)
-                include = req.start.include_stop_str_in_output
-                continue
-            if stop_hit:
-                yield tokenizer_pb2.DetokenizeResponse(stop_string=stop_hit)
-                continue
-            data += bytes(t for t in req.tokens.token_ids if t < 256)
-            text = data.decode("utf-8", errors="ignore")
-            cut = len(text)
-            for s in stops:
-                at = text.find(s, max(0, emitted - len(s)))
-                if at >= 0 and (not stop_hit or at < cut):
-                    stop_hit, cut = s, at + (len(s) if include else 0)
-            if not stop_hit and not req.tokens.finished and stops:
-                hold = max(len(s) - 1 for s in stops)
-                cut = max(emitted, len(text) - hold)
-            out = text[emitted:cut] if cut > emitted else ""
-            emitted = max(emitted, cut)
-            yield tokenizer_pb2.DetokenizeResponse(text=out, stop_string=stop_hit)
+            self.detokenize_requests.append(req)
+            for op in req.opens:
+                sequences[op.sequence_id] = _ByteSequence(
+                    list(op.stop), op.include_stop_str_in_output
+                )
+            if req.feeds:
+                resp = tokenizer_pb2.DetokenizeResponse()
+                for feed in req.feeds:
+                    seq = sequences.get(feed.sequence_id)
+                    if seq is None:
+                        resp.texts.add(sequence_id=feed.sequence_id, error="not open")
+                        continue
+                    text = seq.add(feed.token_ids, feed.finished)
+                    resp.texts.add(
+                        sequence_id=feed.sequence_id, text=text, stop_string=seq.stop_hit
+                    )
+                    if feed.finished:
+                        del sequences[feed.sequence_id]
+                yield resp
+            for sid in req.closes:
+                sequences.pop(sid, None)
+
+
+class _ByteSequence:
+    """One sequence of FakeTokenizer.Detokenize: bytes to text, stop strings held back."""
+
+    def __init__(self, stops: list[str], include: bool) -> None:
+        self.stops, self.include = stops, include
+        self.data = b""
+        self.emitted = 0
+        self.stop_hit = ""
+
+    def add(self, token_ids, finished: bool) -> str:
+        if self.stop_hit:
+            return ""
+        self.data += bytes(t for t in token_ids if t < 256)
+        text = self.data.decode("utf-8", errors="ignore")
+        cut = len(text)
+        for s in self.stops:
+            at = text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0 and (not self.stop_hit or at < cut):
+                self.stop_hit, cut = s, at + (len(s) if self.include else 0)
+        if not self.stop_hit and not finished and self.stops:
+            hold = max(len(s) - 1 for s in self.stops)
+            cut = max(self.emitted, len(text) - hold)
+        out = text[self.emitted : cut] if cut > self.emitted else ""
+        self.emitted = max(self.emitted, cut)
+        return out
 
 
 class _Blackhole:

@@ -116,56 +116,45 @@ def test_tokenize_errors_name_the_field(tokenizer, request_, field):
     asyncio.run(body())
 
 
-def test_latency_histogram_counts_by_op(tokenizer):
-    name = "llmfleet:tokenizer_latency_seconds_count"
-
-    def count(op: str) -> float:
-        return prometheus_client.REGISTRY.get_sample_value(name, {"op": op}) or 0.0
-
-    before = count("tokenize"), count("detokenize")
-
-    async def body() -> None:
-        async with serving(tokenizer) as (stub, _):
-            await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="hi"))
-            await _detokenize(stub, _start(), [[1, 2], [3]], finish=True)
-
-    asyncio.run(body())
-    assert count("tokenize") == before[0] + 1
-    assert count("detokenize") == before[1] + 2
-
-
 # ---- Detokenize ---------------------------------------------------------------------------
 
 
-def _start(
-    prompt: Sequence[int] = (), stop: Sequence[str] = (), include: bool = False
-) -> tokenizer_pb2.DetokenizeRequest:
-    return tokenizer_pb2.DetokenizeRequest(
-        start=tokenizer_pb2.DetokenizeStart(
-            prompt_token_ids=list(prompt), stop=list(stop), include_stop_str_in_output=include
-        )
-    )
+def _open(
+    sid: int = 1, prompt: Sequence[int] = (), stop: Sequence[str] = (), include: bool = False
+) -> tokenizer_pb2.DetokenizeOpen:
+    return tokenizer_pb2.DetokenizeOpen(
+        sequence_id=sid, prompt_token_ids=list(prompt), stop=list(stop),
+        include_stop_str_in_output=include,
+    )  # fmt: skip
 
 
-def _tokens(ids: Sequence[int], finished: bool = False) -> tokenizer_pb2.DetokenizeRequest:
-    return tokenizer_pb2.DetokenizeRequest(
-        tokens=tokenizer_pb2.DetokenizeTokens(token_ids=list(ids), finished=finished)
-    )
+def _feed(sid: int, ids: Sequence[int], finished: bool = False) -> tokenizer_pb2.DetokenizeFeed:
+    return tokenizer_pb2.DetokenizeFeed(sequence_id=sid, token_ids=list(ids), finished=finished)
+
+
+async def _stream(
+    stub: tokenizer_pb2_grpc.TokenizerStub, requests: list[tokenizer_pb2.DetokenizeRequest]
+) -> list[list[tokenizer_pb2.DetokenizedText]]:
+    async def gen() -> AsyncIterator[tokenizer_pb2.DetokenizeRequest]:
+        for r in requests:
+            yield r
+
+    return [list(r.texts) async for r in stub.Detokenize(gen())]
 
 
 async def _detokenize(
     stub: tokenizer_pb2_grpc.TokenizerStub,
-    start_req: tokenizer_pb2.DetokenizeRequest,
+    op: tokenizer_pb2.DetokenizeOpen,
     chunks: list[list[int]],
     *,
     finish: bool,
 ) -> list[tuple[str, str]]:
-    async def requests() -> AsyncIterator[tokenizer_pb2.DetokenizeRequest]:
-        yield start_req
-        for i, chunk in enumerate(chunks):
-            yield _tokens(chunk, finished=finish and i == len(chunks) - 1)
-
-    return [(r.text, r.stop_string) async for r in stub.Detokenize(requests())]
+    """One sequence alone on a stream: (text, stop string) per chunk."""
+    requests = [tokenizer_pb2.DetokenizeRequest(opens=[op])]
+    for i, chunk in enumerate(chunks):
+        feed = _feed(op.sequence_id, chunk, finished=finish and i == len(chunks) - 1)
+        requests.append(tokenizer_pb2.DetokenizeRequest(feeds=[feed]))
+    return [(t.text, t.stop_string) for [t] in await _stream(stub, requests)]
 
 
 def _reference(
@@ -198,12 +187,12 @@ def test_detokenize_stream_equals_incremental_detokenizer(tokenizer, chunk, stop
 
     async def body() -> list[tuple[str, str]]:
         async with serving(tokenizer) as (stub, _):
-            return await _detokenize(stub, _start(prompt, stop, include), chunks, finish=True)
+            return await _detokenize(stub, _open(1, prompt, stop, include), chunks, finish=True)
 
     got = asyncio.run(body())
     want = _reference(tokenizer, prompt, chunks, stop, include, finish=True)
     assert got == want
-    assert len(got) == len(chunks)  # one response per tokens message
+    assert len(got) == len(chunks)  # one answer per feed
     text = "".join(t for t, _ in got)
     if not stop:
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
@@ -214,13 +203,45 @@ def test_detokenize_stream_equals_incremental_detokenizer(tokenizer, chunk, stop
         assert got[-1][1] == first  # sticky once matched
 
 
+def test_many_sequences_share_one_stream(tokenizer):
+    """Interleaved sequences, fed in batches, each get the text they would get alone; only
+    requests that feed are answered, one text per feed in feed order."""
+    texts = ["The quick brown fox.", "Hello world, again and again.", "Numbers: 1, 22, 333."]
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    stops = [(), ("again",), ()]
+    steps = max(len(x) for x in ids)
+    requests = [
+        tokenizer_pb2.DetokenizeRequest(opens=[_open(10 + i, stop=stops[i]) for i in range(3)])
+    ]
+    for s in range(steps):
+        feeds = [
+            _feed(10 + i, [x[s]], finished=s == len(x) - 1) for i, x in enumerate(ids) if s < len(x)
+        ]
+        requests.append(tokenizer_pb2.DetokenizeRequest(feeds=feeds[::-1]))  # any order
+    requests.append(tokenizer_pb2.DetokenizeRequest(closes=[10, 11, 12]))  # not answered
+
+    async def body():
+        async with serving(tokenizer) as (stub, _):
+            return await _stream(stub, requests)
+
+    answers = asyncio.run(body())
+    assert len(answers) == steps
+    for i, x in enumerate(ids):
+        got = [t for step in answers for t in step if t.sequence_id == 10 + i]
+        want = _reference(tokenizer, [], [[t] for t in x], stops[i], False, finish=True)
+        assert [(t.text, t.stop_string) for t in got] == want
+        assert not any(t.error for t in got)
+    for step, request in zip(answers, requests[1:], strict=False):
+        assert [t.sequence_id for t in step] == [f.sequence_id for f in request.feeds]
+
+
 def test_finished_flushes_held_back_text(tokenizer):
     ids = tokenizer.encode("Hello ST", add_special_tokens=False)
 
     async def body() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         async with serving(tokenizer) as (stub, _):
-            held = await _detokenize(stub, _start(stop=["STOP"]), [ids], finish=False)
-            flushed = await _detokenize(stub, _start(stop=["STOP"]), [ids], finish=True)
+            held = await _detokenize(stub, _open(stop=["STOP"]), [ids], finish=False)
+            flushed = await _detokenize(stub, _open(stop=["STOP"]), [ids], finish=True)
             return held, flushed
 
     held, flushed = asyncio.run(body())
@@ -236,37 +257,57 @@ def test_ids_past_the_tokenizer_vocabulary_decode_to_nothing(tokenizer):
 
     async def body() -> list[tuple[str, str]]:
         async with serving(tokenizer) as (stub, _):
-            return await _detokenize(stub, _start(), [padded], finish=True)
+            return await _detokenize(stub, _open(), [padded], finish=True)
 
     assert "".join(text for text, _ in asyncio.run(body())) == "Hello world"
 
 
 @pytest.mark.parametrize(
-    ("messages", "field"),
+    ("opens", "feeds", "field"),
     [
-        ([_tokens([1])], "start"),
-        ([_start(), _start()], "start"),
-        ([_start(), _tokens([1], finished=True), _tokens([2])], "tokens"),
-        ([_start(), _tokens([1, -3])], "tokens.token_ids[1]"),
-        ([_start(prompt=[-1])], "start.prompt_token_ids[0]"),
-        ([_start(stop=["ok", ""])], "start.stop[1]"),
+        ([], [_feed(1, [5])], "feeds.sequence_id"),  # never opened
+        ([_open(1), _open(1)], [_feed(1, [5])], "opens.sequence_id"),  # opened twice
+        ([_open(1)], [_feed(1, [5, -3])], "feeds.token_ids[1]"),
+        ([_open(1, prompt=[-1])], [_feed(1, [5])], "opens.prompt_token_ids[0]"),
+        ([_open(1, stop=["ok", ""])], [_feed(1, [5])], "opens.stop[1]"),
+        ([_open(1)], [_feed(1, [5], finished=True), _feed(1, [6])], "feeds.sequence_id"),
     ],
 )
-def test_detokenize_errors_name_the_field(tokenizer, messages, field):
+def test_a_bad_sequence_fails_alone_naming_the_field(tokenizer, opens, feeds, field):
+    """The bad sequence's answer carries the error; a good sequence on the same stream, fed in
+    the same requests, is answered as usual."""
+    good = _open(99)
+    requests = [
+        tokenizer_pb2.DetokenizeRequest(opens=[*opens, good]),
+        *[tokenizer_pb2.DetokenizeRequest(feeds=[f, _feed(99, [42])]) for f in feeds],
+    ]
+
+    async def body():
+        async with serving(tokenizer) as (stub, _):
+            return await _stream(stub, requests)
+
+    answers = asyncio.run(body())
+    bad = answers[-1][0]
+    assert bad.error.startswith(f"{field}: ") and bad.text == ""
+    assert all(not step[1].error for step in answers)
+
+
+def test_latency_histogram_counts_each_request(tokenizer):
+    name = "llmfleet:tokenizer_latency_seconds_count"
+
+    def count(op: str) -> float:
+        return prometheus_client.REGISTRY.get_sample_value(name, {"op": op}) or 0.0
+
+    before = count("tokenize"), count("detokenize")
+
     async def body() -> None:
         async with serving(tokenizer) as (stub, _):
-
-            async def requests() -> AsyncIterator[tokenizer_pb2.DetokenizeRequest]:
-                for m in messages:
-                    yield m
-
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Detokenize(requests()):
-                    pass
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert info.value.details().startswith(f"{field}: ")
+            await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="hi"))
+            await _detokenize(stub, _open(), [[1, 2], [3]], finish=True)
 
     asyncio.run(body())
+    assert count("tokenize") == before[0] + 1
+    assert count("detokenize") == before[1] + 3  # the open, then two feeds
 
 
 # ---- health and lifecycle -----------------------------------------------------------------

@@ -21,38 +21,54 @@ class TokenizeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class DetokenizeStart(_message.Message):
-    __slots__ = ("prompt_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens")
+class DetokenizeOpen(_message.Message):
+    __slots__ = ("sequence_id", "prompt_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
-class DetokenizeTokens(_message.Message):
-    __slots__ = ("token_ids", "finished")
+class DetokenizeFeed(_message.Message):
+    __slots__ = ("sequence_id", "token_ids", "finished")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("start", "tokens")
-    START_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    start: DetokenizeStart
-    tokens: DetokenizeTokens
-    def __init__(self, start: _Optional[_Union[DetokenizeStart, _Mapping]] = ..., tokens: _Optional[_Union[DetokenizeTokens, _Mapping]] = ...) -> None: ...
+    __slots__ = ("opens", "feeds", "closes")
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    CLOSES_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[DetokenizeOpen]
+    feeds: _containers.RepeatedCompositeFieldContainer[DetokenizeFeed]
+    closes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, opens: _Optional[_Iterable[_Union[DetokenizeOpen, _Mapping]]] = ..., feeds: _Optional[_Iterable[_Union[DetokenizeFeed, _Mapping]]] = ..., closes: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class DetokenizeResponse(_message.Message):
-    __slots__ = ("text", "stop_string")
+class DetokenizedText(_message.Message):
+    __slots__ = ("sequence_id", "text", "stop_string", "error")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
     text: str
     stop_string: str
-    def __init__(self, text: _Optional[str] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, sequence_id: _Optional[int] = ..., text: _Optional[str] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedCompositeFieldContainer[DetokenizedText]
+    def __init__(self, texts: _Optional[_Iterable[_Union[DetokenizedText, _Mapping]]] = ...) -> None: ...

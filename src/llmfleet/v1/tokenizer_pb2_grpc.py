@@ -59,9 +59,11 @@ class TokenizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request_iterator, context):
-        """One stream per completion: a DetokenizeStart (not answered), then token batches, each
-        answered by exactly one response with the text that is safe to emit. Stop strings are
-        applied here.
+        """Incremental detokenization of many sequences over one stream (a router keeps one for
+        every completion it streams). Each request opens sequences, feeds new tokens to open ones,
+        then closes sequences, in that order; a request with feeds is answered by exactly one
+        response carrying the text of each feed, in order, while a request without feeds is not
+        answered. Stop strings are applied here. A bad open or feed fails that sequence alone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -30,7 +30,7 @@ import zmq.asyncio
 from opentelemetry.context import Context
 
 from llmfleet.services.router import metrics, spans
-from llmfleet.services.router.detok import DetokStream
+from llmfleet.services.router.detok import Detokenizer, DetokSequence
 from llmfleet.services.router.handoff import LeaseHandoff
 from llmfleet.services.router.placement import CONTROL_TIMEOUT_S, Placement
 from llmfleet.services.router.prompt import check_sampling, check_shape, prompt_token_ids
@@ -79,6 +79,7 @@ class Router:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
         self.registry = WorkerRegistry(config.heartbeat_timeout_ms)
         self.pool = WorkerPool(lambda wid: self.worker_gone(wid, "connection lost"))
         self.kv = KVSubscriber(ctx, self._fetch_snapshot)
@@ -112,6 +113,7 @@ class Router:
             task.cancel()
         await self.kv.close()
         await self.replies.close()
+        await self.detokenizer.close_stream()
         await self.pool.close()
 
     # -- fleet membership -----------------------------------------------------------------
@@ -209,7 +211,7 @@ class Router:
                     ctx = HashContext(model.model_id, req.cache_salt)
                     hashes = hash_block_chain(prompt_ids, model.block_size, ctx)
                 completions = [
-                    CompletionState(i, DetokStream(self.tokenizer, trace_ctx, i))
+                    CompletionState(i, DetokSequence(self.detokenizer, trace_ctx, i))
                     for i in range(params.n)
                 ]
                 run = RequestRun(

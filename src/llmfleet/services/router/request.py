@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from llmfleet.services.router.detok import DetokStream
+from llmfleet.services.router.detok import DetokSequence
 from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingParams
 
@@ -53,7 +53,7 @@ class CompletionState:
     tokens streamed so far (what a migration resubmits)."""
 
     index: int
-    detok: DetokStream
+    detok: DetokSequence
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""  # "stop" | "length" | "abort" once finished

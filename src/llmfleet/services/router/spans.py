@@ -5,7 +5,7 @@
     ├── route                                (policy, role, chosen worker, matched prefix)
     ├── kv_lease                             (disaggregated: ReserveKV on D, Prefill on P)
     ├── llmfleet.v1.Worker/AddRequest | StartDecode   (worker: queue, prefill, decode, ...)
-    └── detokenize                           (one per completion: the Detokenize stream)
+    └── detokenize                           (one per completion, open to close)
 
 Spans are made from explicit contexts (`RequestRun.trace`), never attached as the current
 context across the Generate stream's yields. Attributes never hold prompt or output text.

@@ -8,12 +8,8 @@ The servicer is a thin shell: protobuf in, core functions, protobuf out. Validat
 the core name fields as the core spells them (`prompt`, `messages[0].role`); they are renamed to
 their path in the request message here (`text`, `chat.messages[0].role`).
 
-Detokenize protocol (one stream per completion): the first message must be `start`; each later
-`tokens` message is answered by exactly one response (`start` itself gets none). A response's
-`text` is the text safe to emit now; `stop_string` is set on the response where a stop string
-matched and on every later one (the state is sticky; later text is always empty). A `tokens`
-message with `finished=true` also flushes held-back text; the stream may not send tokens after
-it.
+Detokenize carries many sequences on one stream (a router keeps one): detokenize.py holds a
+stream's sequences and answers each request that feeds tokens with one response.
 """
 
 from __future__ import annotations
@@ -28,12 +24,12 @@ import grpc
 import prometheus_client
 from opentelemetry import trace
 
+from llmfleet.services.tokenizer.detokenize import DetokenizeSession
 from llmfleet.shared.core.config import TokenizerConfig
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.wire.service import Service, Unavailable, abort_with
 from llmfleet.shared.wire.tracing import child_span
 from llmfleet.text.chat import encode_rendered, render_chat, tokenize_prompt
-from llmfleet.text.detokenizer import IncrementalDetokenizer
 from llmfleet.text.loading import load_tokenizer
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -44,7 +40,7 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 LATENCY = prometheus_client.Histogram(
     "llmfleet:tokenizer_latency_seconds",
-    "Time to serve one Tokenize call or one Detokenize message",
+    "Time to serve one Tokenize call or one Detokenize request (many sequences)",
     ["op"],
     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0),
 )
@@ -52,21 +48,8 @@ LATENCY = prometheus_client.Histogram(
 T = TypeVar("T")
 
 
-_MAX_TOKEN_ID = 1 << 31  # past any model's vocabulary
-
-
 def _renamed(exc: ValidationError, field: str) -> ValidationError:
     return ValidationError(field, exc.message)
-
-
-def _check_ids(ids: Any, vocab_size: int, field: str) -> list[int]:
-    out = list(ids)
-    for i, t in enumerate(out):
-        if not 0 <= t < vocab_size:
-            raise ValidationError(
-                f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})"
-            )
-    return out
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -148,54 +131,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        detok: IncrementalDetokenizer | None = None
-        finished = False
         try:
-            tokenizer = self._require_tokenizer()
-            async for request in request_iterator:
-                start = time.perf_counter()
-                kind = request.WhichOneof("kind")
-                if detok is None:
-                    if kind != "start":
-                        raise ValidationError(
-                            "start", "the first message of a stream must be start"
-                        )
-                    detok = self._start(tokenizer, request.start)
-                    continue
-                if kind != "tokens":
-                    raise ValidationError("start", "only the first message may be start")
-                if finished:
-                    raise ValidationError("tokens", "the sequence already finished")
-                # Generated ids may lie past the tokenizer's vocabulary (a model's padding
-                # rows); they decode to no text. Only negative ids are malformed.
-                ids = _check_ids(request.tokens.token_ids, _MAX_TOKEN_ID, "tokens.token_ids")
-                text = detok.add_tokens(ids)
-                if request.tokens.finished:
-                    finished = True
-                    text += detok.finish()
-                LATENCY.labels("detokenize").observe(time.perf_counter() - start)
-                yield tokenizer_pb2.DetokenizeResponse(
-                    text=text, stop_string=detok.stop_reason or ""
-                )
-        except (ValidationError, Unavailable) as exc:
+            session = DetokenizeSession(self._require_tokenizer(), self._vocab_size)
+        except Unavailable as exc:
             await abort_with(context, exc)
-
-    def _start(
-        self, tokenizer: Any, start: tokenizer_pb2.DetokenizeStart
-    ) -> IncrementalDetokenizer:
-        prompt_ids = _check_ids(start.prompt_token_ids, self._vocab_size, "start.prompt_token_ids")
-        try:
-            return IncrementalDetokenizer(
-                tokenizer,
-                prompt_ids,
-                skip_special_tokens=(
-                    start.skip_special_tokens if start.HasField("skip_special_tokens") else True
-                ),
-                stop=list(start.stop),
-                include_stop_str_in_output=start.include_stop_str_in_output,
-            )
-        except ValidationError as exc:
-            raise _renamed(exc, f"start.{exc.field}") from None
+            return
+        async for request in request_iterator:
+            start = time.perf_counter()
+            response = session.apply(request)
+            LATENCY.labels("detokenize").observe(time.perf_counter() - start)
+            if response is not None:
+                yield response
 
 
 async def start(config: TokenizerConfig, *, tokenizer: Any | None = None) -> Service:

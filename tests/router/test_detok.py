@@ -1,0 +1,92 @@
+"""The router's Detokenizer: every completion on one Detokenize stream, the feeds of one turn of
+the event loop in one request, and a broken stream failing only the sequences it carried."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from fakes import FakeTokenizer
+from harness import run
+
+from llmfleet.services.router.detok import Detokenizer, DetokSequence
+from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.service import Unavailable
+from llmfleet.v1 import tokenizer_pb2_grpc
+
+
+async def _with_tokenizer(body):
+    fakes = [FakeTokenizer()]
+    await fakes[0].start()
+    channel = grpc.aio.insecure_channel(fakes[0].address)
+    detok = Detokenizer(tokenizer_pb2_grpc.TokenizerStub(channel))
+    try:
+        return await body(fakes, detok)
+    finally:
+        await detok.close_stream()
+        await channel.close()
+        await fakes[-1].stop()
+
+
+def test_one_turn_of_feeds_is_one_request_and_each_gets_its_text():
+    async def body(fakes, detok):
+        fake = fakes[0]
+        seqs = [DetokSequence(detok, index=i) for i in range(50)]
+        for s in seqs:
+            s.open([], SamplingParams())
+        words = [f"w{i} ".encode() for i in range(50)]
+        got = await asyncio.gather(
+            *(s.feed(list(w), False) for s, w in zip(seqs, words, strict=True))
+        )
+        assert [text for text, _ in got] == [w.decode() for w in words]
+        reqs = fake.detokenize_requests
+        assert [len(r.feeds) for r in reqs if r.feeds] == [50]  # one request for all feeds
+        assert sum(len(r.opens) for r in reqs) == 50 and len(reqs) <= 2
+        for s in seqs[:10]:
+            s.close()
+        await asyncio.sleep(0.05)
+        assert list(fake.detokenize_requests[-1].closes) == list(range(1, 11))
+
+    run(_with_tokenizer(body))
+
+
+def test_stop_strings_and_finished_sequences():
+    async def body(fakes, detok):
+        fake = fakes[0]
+        a, b = DetokSequence(detok), DetokSequence(detok)
+        a.open([], SamplingParams(stop=["END"]))
+        b.open([], SamplingParams())
+        (ta, sa), (tb, sb) = await asyncio.gather(
+            a.feed(list(b"go END more"), False), b.feed(list(b"done"), True)
+        )
+        assert (ta, sa, a.stopped) == ("go ", "END", True)
+        assert (tb, sb) == ("done", "")
+        a.close()
+        b.close()  # finished: the tokenizer closed it already, nothing to send
+        await asyncio.sleep(0.05)
+        assert [list(r.closes) for r in fake.detokenize_requests if r.closes] == [[1]]
+
+    run(_with_tokenizer(body))
+
+
+def test_a_broken_stream_fails_its_sequences_and_the_next_open_starts_anew():
+    async def body(fakes, detok):
+        old = DetokSequence(detok)
+        old.open([], SamplingParams())
+        assert await old.feed(list(b"hi"), False) == ("hi", "")
+        port = int(fakes[0].address.rpartition(":")[2])
+        await fakes[0].stop()  # the tokenizer goes away: the stream breaks
+        with pytest.raises(Unavailable, match="^tokenizer: "):
+            await old.feed(list(b"more"), False)
+        fakes.append(FakeTokenizer())  # and comes back on the same port
+        await fakes[-1].start(port)
+        new = DetokSequence(detok)
+        new.open([], SamplingParams())
+        with pytest.raises(Unavailable):  # the old sequence stays lost
+            await old.feed(list(b"again"), False)
+        assert await new.feed(list(b"fresh"), True) == ("fresh", "")
+        old.close()
+        assert detok.num_sequences_lost == 0
+
+    run(_with_tokenizer(body))
