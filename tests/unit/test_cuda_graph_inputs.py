@@ -126,7 +126,13 @@ def test_fill_rejects_what_does_not_fit():
 
 
 def test_engine_config_knob():
-    assert EngineConfig().cuda_graph_max_batch_size == 64
+    assert EngineConfig().cuda_graph_max_batch_size is None  # unset: follows max_num_seqs
+    assert EngineConfig().resolved().cuda_graph_max_batch_size == 64
+    gpu = EngineConfig(device="cuda", dtype="bfloat16")
+    assert gpu.resolved().cuda_graph_max_batch_size == 256
+    assert (
+        EngineConfig(device="cuda", max_num_seqs=1024).resolved().cuda_graph_max_batch_size == 512
+    )
     assert EngineConfig(cuda_graph_max_batch_size=0).cuda_graph_max_batch_size == 0
     with pytest.raises(ValidationError, match="cuda_graph_max_batch_size"):
         EngineConfig(cuda_graph_max_batch_size=-1)

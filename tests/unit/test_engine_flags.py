@@ -23,6 +23,7 @@ SETTINGS = {
     "block_size": 32,
     "num_kv_blocks": 4096,
     "kv_cache_bytes": 1 << 34,
+    "gpu_memory_utilization": 0.5,
     "max_num_seqs": 256,
     "max_num_batched_tokens": 8192,
     "max_model_len": 4096,

@@ -44,6 +44,7 @@ from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.flops import ModelShape, StepBatch, StepCost, estimate_step_cost, model_shape
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
+from llmfleet.engine.memory import kv_cache_bytes
 from llmfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
 from llmfleet.engine.sampler import Sampler, SamplingRow
@@ -75,6 +76,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        config = config.resolved()
         self.config = config
         self.model = loaded.model
         self.spec = loaded.spec
@@ -91,9 +93,13 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or self.spec.max_model_len, self.spec.max_model_len
         )
+        self.simulated = isinstance(self.model, SimulatedModel)
+        self.model_shape: ModelShape | None = None  # for work estimates; None when simulated
+        if not isinstance(self.model, SimulatedModel):
+            self.model_shape = model_shape(self.model, config.torch_dtype.itemsize)
         num_blocks = config.num_kv_blocks or max(
             1,
-            config.kv_cache_bytes
+            kv_cache_bytes(config, self.model_shape, self.device, config.torch_dtype.itemsize)
             // kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype),
         )
         self.block_manager = BlockManager(
@@ -104,10 +110,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.simulated = isinstance(self.model, SimulatedModel)
         self.runner: ModelRunner
         self.sampler: Sampler
-        self.model_shape: ModelShape | None  # for the work estimate; None when simulated
         if isinstance(self.model, SimulatedModel):
             step_time = StepTime(
                 config.sim_step_ms, config.sim_decode_ms_per_seq, config.sim_prefill_ms_per_token
@@ -116,7 +120,6 @@ class LLMEngine:
                 self.spec, self.block_manager, step_time, device=self.device
             )
             self.sampler = SimulatedSampler(self.model)
-            self.model_shape = None
         else:
             self.runner = ModelRunner(
                 self.model,
@@ -129,7 +132,6 @@ class LLMEngine:
             if self.device.type == "cuda" and graph_batch > 0:
                 self.runner.capture_decode_graphs(graph_batch, self.max_model_len)
             self.sampler = Sampler()
-            self.model_shape = model_shape(self.model, config.torch_dtype.itemsize)
         self.kv = KVHandoff(self.block_manager, self.runner, self.max_model_len)
         self.chain = DecodeChain(
             self.runner,

@@ -25,16 +25,19 @@ HELP = {
     "dtype": "weights and KV cache dtype (default float32)",
     "block_size": "tokens per KV block, a power of two (default 16)",
     "num_kv_blocks": "KV cache size in blocks (default: from --kv-cache-bytes)",
-    "kv_cache_bytes": "KV cache size in bytes when --num-kv-blocks is not given (default 1 GiB)",
-    "max_num_seqs": "sequences per engine step (default 64)",
-    "max_num_batched_tokens": "tokens per engine step (default 2048)",
+    "kv_cache_bytes": "KV cache size in bytes when --num-kv-blocks is not given (default: on "
+    "CUDA what --gpu-memory-utilization leaves after the weights, else 1 GiB)",
+    "gpu_memory_utilization": "share of the GPU's memory this worker may use (default 0.9; "
+    "0.45 each for two workers on one GPU)",
+    "max_num_seqs": "sequences per engine step (default 256 on CUDA, 64 elsewhere)",
+    "max_num_batched_tokens": "tokens per engine step (default 8192 on CUDA, 2048 elsewhere)",
     "max_model_len": "context length cap (default: the model's)",
     "enable_prefix_caching": "share cached KV blocks between requests with a common prefix",
     "max_n": "completions per request, at most (default 16)",
     "max_logprobs": "top logprobs per position, at most (default 20)",
     "num_threads": "CPU: intra-op threads (default: torch's)",
     "cuda_graph_max_batch_size": "CUDA: replay graphs for decode batches up to this size "
-    "(default 64; 0: eager)",
+    "(default: --max-num-seqs, at most 512; 0: eager)",
     "async_scheduling": "CUDA graphs: launch each decode step before the previous one's tokens "
     "are read back (default on)",
     "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
