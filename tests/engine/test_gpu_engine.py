@@ -53,3 +53,35 @@ def test_gpu_seeded_sampling_reproduces(make_checkpoint, tmp_path):
                 outs[o.index].extend(o.new_token_ids)
         runs.append(outs)
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+
+
+def test_gpu_exported_blocks_are_read_beside_later_steps(make_checkpoint, tmp_path):
+    """An export's copy runs on a side stream while the engine keeps stepping; its payload is
+    the cache's content, held blocks survive until end_export, and importing the payload on a
+    second engine gives the first engine's tokens."""
+    loaded = load_model(str(make_checkpoint("llama", tmp_path)), device="cuda", progress=False)
+    engine = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, block_size=16), loaded)
+    idle = engine.num_free_blocks
+    prompt = list(range(3, 3 + 70))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    hashes = engine.kv.cached_block_hashes()
+    ids = engine.block_manager.cached_block_ids(hashes)
+    read = engine.kv.start_export("put", hashes)
+    engine.add_request("b", list(range(500, 540)), SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():  # later steps run while the copy is in flight
+        engine.step()
+    payload = read.wait()
+    assert payload.is_pinned() and payload.shape[0] == len(hashes)
+    assert torch.equal(payload.cuda(), engine.runner._gather(ids).contiguous())
+    engine.kv.end_export("put")
+    assert engine.num_free_blocks == idle
+    other = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, block_size=16), loaded)
+    assert other.kv.import_cached_blocks(hashes, payload) == len(hashes)
+    other.add_request("a", prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    again = []
+    while other.has_unfinished():
+        again += [t for o in other.step() for t in o.new_token_ids]
+    assert again == tokens

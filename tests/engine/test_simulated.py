@@ -118,8 +118,11 @@ def test_kv_blocks_export_and_import(loaded):
     engine = _engine(loaded)
     _run(engine, {"r": list(range(3, 3 + 40))}, SamplingParams(max_tokens=2))
     hashes = engine.kv.cached_block_hashes()
-    payload = engine.kv.read_cached_blocks(hashes)
-    assert payload is not None and tuple(payload.shape) == (len(hashes), 1, 2, 16, 1, 1)
+    read = engine.kv.start_export("put", hashes)
+    assert read is not None and read.done()  # off CUDA the copy is made at once
+    payload = read.wait()
+    engine.kv.end_export("put")
+    assert tuple(payload.shape) == (len(hashes), 1, 2, 16, 1, 1)
     other = _engine(loaded)
     assert other.kv.import_cached_blocks(hashes, payload) == len(hashes)
 

@@ -138,3 +138,23 @@ def test_blocks_filled_while_decoding_are_registered():
     assert len(bm.cached) == 3  # tokens 0..11 fill three blocks
     b = req("b", list(range(13)) + [99])
     assert len(bm.get_computed_blocks(b)) == 3
+
+
+def test_held_cached_blocks_are_not_evicted_until_let_go():
+    bm = BlockManager(4, BS)
+    a = req("a", list(range(8)))
+    compute_all(bm, a)
+    bm.free(a)
+    hashes = list(bm.cached)
+    ids = bm.hold_cached("export", hashes)
+    assert ids is not None and sorted(ids) == sorted(b.block_id for b in bm.cached.values())
+    assert bm.num_free_blocks == 2
+    # A request that needs every block cannot take the held ones.
+    assert not bm.allocate_slots(req("big", list(range(100, 116))), 16)
+    assert bm.allocate_slots(req("small", list(range(100, 108))), 8)
+    assert set(bm.cached) >= set(hashes)
+    bm.free_owner("export")
+    assert bm.num_free_blocks == 2  # the small request holds the other two
+    with pytest.raises(ValueError):
+        bm.hold_cached("small", hashes)  # an owner holds one table
+    assert bm.hold_cached("x", [b"\0" * 32]) is None and "x" not in bm.req_blocks

@@ -56,8 +56,14 @@ def test_export_import_round_trip_gives_same_tokens_and_cached_count(loaded):
     a = new_engine(loaded)
     ref, _ = run(a, "r", ids)
     hashes = hash_block_chain(ids, BS, HashContext(model_id=loaded.spec.model_id))
-    payload = a.kv.read_cached_blocks(hashes)
-    assert payload is not None and payload.shape == (4, *a.kv.block_shape)
+    idle = a.num_free_blocks
+    read = a.kv.start_export("put-1", hashes)
+    assert read is not None and a.num_free_blocks == idle - 4  # held while they are read
+    payload = read.wait()
+    a.kv.end_export("put-1")
+    assert a.num_free_blocks == idle and payload.shape == (4, *a.kv.block_shape)
+    assert a.kv.start_export("put-2", [*hashes, b"\0" * 32]) is None  # one not cached
+    assert a.num_free_blocks == idle
 
     b = new_engine(loaded)
     baseline = b.num_free_blocks

@@ -162,8 +162,9 @@ def test_blocks_evicted_between_lookup_and_get_are_computed_instead(loaded):
         try:
             ra = await stub(a).AddRequest(add_request_pb("x", ids, params, replies.endpoint))
             [ca] = await replies.until_finished("x")
-            payload = a.engine.kv.read_cached_blocks(a.engine.kv.cached_block_hashes()[:5])
             chain = a.engine.kv.cached_block_hashes()[:5]
+            payload = a.engine.kv.start_export("test", chain).wait()
+            a.engine.kv.end_export("test")
             await other.put(b.kv_layout_key, chain, [tensor_frame(p) for p in payload])
             assert await other.lookup(b.kv_layout_key, chain) == 5
             lookup = b.kvstore.client.lookup

@@ -250,6 +250,26 @@ class BlockManager:
         self._num_registered[owner] = 0
         return list(self._req_ids[owner])
 
+    def hold_cached(self, owner: str, block_hashes: Sequence[bytes]) -> list[int] | None:
+        """Hold the cached blocks with these hashes under `owner` (they cannot be evicted or
+        rewritten until `free_owner`); None, holding nothing, if any of them is not cached."""
+        if owner in self.req_blocks:
+            raise ValueError(f"{owner!r} already holds blocks")
+        blocks = [self.cached.get(h) for h in block_hashes]
+        if any(b is None for b in blocks):
+            return None
+        held: list[KVBlock] = []
+        for b in blocks:
+            assert b is not None
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+            held.append(b)
+        self.req_blocks[owner] = held
+        self._req_ids[owner] = [b.block_id for b in held]
+        self._num_registered[owner] = len(held)
+        return list(self._req_ids[owner])
+
     def transfer_owner(self, old: str, new: str) -> None:
         """Rename the holder of a block table (a reservation becoming a running request)."""
         if new in self.req_blocks:

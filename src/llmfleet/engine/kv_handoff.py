@@ -3,10 +3,11 @@
 The worker builds the prefill/decode handoff and the kvstore on these hooks; the engine owns
 one `KVHandoff` as `engine.kv`.
 
-    payload = engine.kv.read_cached_blocks(hashes)        # export by hash (kvstore put)
+    read = engine.kv.start_export(owner, hashes)         # export by hash (kvstore put) ...
+    payload = read.wait(); engine.kv.end_export(owner)   # ... off the engine's critical path
     engine.kv.import_cached_blocks(hashes, payload)       # import as prefix-cache content
-    payload = engine.kv.read_blocks(engine.kv.pinned_block_ids(rid))  # a done prefill's KV
-    engine.kv.release_pinned(rid)
+    read = engine.kv.start_read(engine.kv.pinned_block_ids(rid))  # a done prefill's KV
+    engine.kv.release_pinned(rid)                         # once read.wait() returned
     engine.kv.reserve(lease_id, num_prompt_tokens)        # decode side of a lease
     engine.kv.write_reserved(lease_id, first_block, payload)
     engine.start_decode(lease_id, rid, ...)               # the reservation becomes a request
@@ -20,14 +21,17 @@ major, so `payload[i]` is one block (one wire frame); `block_shape` is its trail
   - pins: a prefill-only request leaves the engine after its first token but keeps its blocks
     (the engine hands them over through `pin`) until `release_pinned`, or the engine's `abort`;
   - reservations: fresh blocks held under an owner id (the lease id) until `release_reserved`,
-    or until `hand_over` gives them to the request `start_decode` admits.
+    or until `hand_over` gives them to the request `start_decode` admits;
+  - exports: cached blocks held under an owner id while a read copies them out (on CUDA on a
+    side stream into pinned memory, beside later steps), until `end_export`.
 
-Who mutates what: only this class adds or removes pins and reservations; the block manager owns
-the blocks' reference counts and hashes. Every method is synchronous and runs between engine
-steps (in a worker, on its engine thread), never while a step runs.
+Who mutates what: only this class adds or removes pins, reservations and exports; the block
+manager owns the blocks' reference counts and hashes. Every method is synchronous and runs
+between engine steps (in a worker, on its engine thread), never while a step runs; a read it
+started may finish later, off the engine thread.
 
-Block accounting invariant: every path that ends a request, pin or reservation returns its
-blocks, so once all of them have ended `num_free_blocks` is back at its idle value.
+Block accounting invariant: every path that ends a request, pin, reservation or export
+returns its blocks, so once all of them have ended `num_free_blocks` is back at its idle value.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from llmfleet.engine.block_manager import BlockManager
-from llmfleet.engine.model_runner import ModelRunner
+from llmfleet.engine.model_runner import BlockRead, ModelRunner
 from llmfleet.engine.request import Request
 from llmfleet.shared.core.errors import CapacityError, ValidationError
 
@@ -47,6 +51,7 @@ class KVHandoff:
         self.max_model_len = max_model_len
         self._pinned: dict[str, Request] = {}  # prefill-only requests done, blocks held
         self._reserved: dict[str, int] = {}  # reservation owner (lease id) -> blocks held
+        self._exports: set[str] = set()  # owners of blocks held while they are read out
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -63,10 +68,24 @@ class KVHandoff:
         """KV of these blocks as a CPU payload (nb, num_layers, 2, block_size, Hkv, head_dim)."""
         return self.runner.read_blocks(block_ids)
 
-    def read_cached_blocks(self, block_hashes: list[bytes]) -> torch.Tensor | None:
-        """KV of the cached blocks with these hashes; None if any of them is not cached."""
-        ids = self.block_manager.cached_block_ids(block_hashes)
-        return None if ids is None else self.runner.read_blocks(ids)
+    def start_read(self, block_ids: list[int]) -> BlockRead:
+        """`read_blocks` without waiting: the copy runs beside later steps (on CUDA); the
+        caller keeps the blocks from being rewritten until it is done (pinned, or exported)."""
+        return self.runner.start_read(block_ids)
+
+    def start_export(self, owner: str, block_hashes: list[bytes]) -> BlockRead | None:
+        """Hold the cached blocks with these hashes under `owner` and start reading them; None
+        (holding nothing) if any of them left the cache. `end_export(owner)` lets them go."""
+        ids = self.block_manager.hold_cached(owner, block_hashes)
+        if ids is None:
+            return None
+        self._exports.add(owner)
+        return self.runner.start_read(ids)
+
+    def end_export(self, owner: str) -> None:
+        if owner in self._exports:
+            self._exports.discard(owner)
+            self.block_manager.free_owner(owner)
 
     def num_cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
         return self.block_manager.num_cached_prefix(block_hashes)

@@ -40,6 +40,28 @@ class StepOutput:
     replayed: bool = False  # a decode step through the captured graphs (`decode_graphs`)
 
 
+class BlockRead:
+    """KV blocks on their way to the host (`ModelRunner.start_read`): `payload` is the pinned
+    (nb, num_layers, 2, block_size, num_kv_heads, head_dim) tensor, valid once `done`."""
+
+    def __init__(self, payload: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self.payload = payload
+        self._copied = copied  # None: copied already (off CUDA)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+    def done(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def wait(self) -> torch.Tensor:
+        """The payload, once copied (blocks this thread until then)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.payload
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -68,6 +90,7 @@ class ModelRunner:
         )
         # The captured decode graphs (in CPU tests: the same padded path, run eagerly).
         self.decode_graphs: PaddedDecoder | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: KV reads to the host
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode batches of up to `max_batch_size` sequences whose
@@ -95,11 +118,35 @@ class ModelRunner:
     # payload[i] is one block's wire frame; the cache is layer-major with blocks on dim 1.
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out of the cache to a contiguous CPU tensor (see the layout above)."""
+        """Copy blocks out of the cache to a contiguous CPU tensor (see the layout above);
+        waits for the copy."""
+        return self.start_read(block_ids).wait()
+
+    @torch.inference_mode()
+    def start_read(self, block_ids: list[int]) -> BlockRead:
+        """Start copying blocks to the host and return at once. On CUDA the copy runs on a side
+        stream, after the steps queued so far (so it reads what they wrote) and beside the ones
+        queued later, into pinned memory: the engine never waits for it. The caller keeps the
+        blocks from being rewritten until the read is done (they are held, or pinned)."""
+        if self.device.type != "cuda":
+            return BlockRead(self._gather(block_ids).contiguous(), None)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        written = torch.cuda.Event()
+        written.record()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(written)
+            staged = self._gather(block_ids).contiguous()
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return BlockRead(host, done)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         per_layer = [kv.index_select(1, idx) for kv in self.kv_caches]  # L x (2, nb, bs, H, D)
-        out = torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5)  # (nb, L, 2, bs, H, D)
-        return out.to("cpu").contiguous()
+        return torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5)  # (nb, L, 2, bs, H, D)
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "load", "prefix_cache_queries", "prefix_cache_hits", "kvstore_blocks_fetched", "kvstore_blocks_stored", "kvstore_view_blocks", "kvstore_lookups_skipped")
+    __slots__ = ("worker_id", "role", "load", "prefix_cache_queries", "prefix_cache_hits", "kvstore_blocks_fetched", "kvstore_blocks_stored", "kvstore_view_blocks", "kvstore_lookups_skipped", "kvstore_blocks_dropped")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GetWorkerStatsResponse(_message.Message):
     KVSTORE_BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_VIEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_LOOKUPS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    KVSTORE_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     load: _common_pb2.LoadReport
@@ -69,7 +70,8 @@ class GetWorkerStatsResponse(_message.Message):
     kvstore_blocks_stored: int
     kvstore_view_blocks: int
     kvstore_lookups_skipped: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kvstore_blocks_fetched: _Optional[int] = ..., kvstore_blocks_stored: _Optional[int] = ..., kvstore_view_blocks: _Optional[int] = ..., kvstore_lookups_skipped: _Optional[int] = ...) -> None: ...
+    kvstore_blocks_dropped: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kvstore_blocks_fetched: _Optional[int] = ..., kvstore_blocks_stored: _Optional[int] = ..., kvstore_view_blocks: _Optional[int] = ..., kvstore_lookups_skipped: _Optional[int] = ..., kvstore_blocks_dropped: _Optional[int] = ...) -> None: ...
 
 class GetKVSnapshotRequest(_message.Message):
     __slots__ = ()

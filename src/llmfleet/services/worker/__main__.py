@@ -34,6 +34,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="start prompt-block puts this long after the first token (default 20)",
     )
     p.add_argument(
+        "--kvstore-put-max-bytes",
+        type=lambda s: int(s, 0),
+        help="KV bytes of puts in flight at most; a put over it is dropped (default 1 GiB)",
+    )
+    p.add_argument(
         "--first-token-yield-ms",
         type=float,
         help="CPU: wait this long after a request's first token before the next step (default 4)",

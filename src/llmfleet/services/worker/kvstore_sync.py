@@ -16,16 +16,21 @@ prompt's chain, admission skips the lookup RPC. A view a few events behind only 
 reuse (the prompt is computed, and its blocks put again); it never admits wrong KV, since
 every fetch still goes through `lookup` and `get`.
 
-Puts are background work: `put_delay_s` after the prompt's first token (so they do not
-compete with that token's way to the client), its blocks are read from the prefix cache by
-hash on the engine thread and sent. Blocks evicted meanwhile (only under memory pressure) skip
-the put; a kvstore that is down only costs the reuse, never a request.
+Puts are background work, never on the engine's critical path: `put_delay_s` after the
+prompt's first token (so they do not compete with that token's way to the client), its blocks
+are held by hash between two steps and copied to pinned host memory on a side stream beside
+the later steps (`KVHandoff.start_export`); once copied they are let go and sent. Blocks
+evicted before the put starts skip it. At most `max_put_bytes` of KV are in flight: a put over
+that budget is dropped (counted in `num_blocks_dropped`), losing only the reuse. A kvstore that
+is down likewise only costs the reuse, never a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import math
 
 import torch
 import zmq.asyncio
@@ -58,6 +63,7 @@ class KVStoreSync:
         ctx: zmq.asyncio.Context | None = None,
         events_endpoint: str | None = None,
         put_delay_s: float = 0.0,
+        max_put_bytes: int = 1 << 30,
     ) -> None:
         self.client = client
         self._engine = engine
@@ -71,6 +77,12 @@ class KVStoreSync:
         self._puts: dict[str, tuple[list[bytes], Span]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}  # puts waiting out put_delay_s
         self._tasks: set[asyncio.Task[None]] = set()
+        self._max_put_bytes = max_put_bytes
+        self._put_bytes = 0  # KV bytes of the puts in flight
+        self._put_ids = itertools.count()
+        shape, dtype = engine.kv.block_shape, engine.kv.dtype
+        self._block_bytes = math.prod(shape) * dtype.itemsize
+        self.num_blocks_dropped = 0  # blocks of puts dropped over the byte budget
         self.num_blocks_fetched = 0
         self.num_blocks_stored = 0
         self.num_lookups_skipped = 0
@@ -152,23 +164,37 @@ class KVStoreSync:
 
     def _start_put(self, rid: str, hashes: list[bytes], parent: Span) -> None:
         self._timers.pop(rid, None)
-        client, key = self.client, self._layout_key
-        # The read is torch work: on the engine thread, between steps. By hash: blocks that
-        # left the prefix cache meanwhile make it None.
-        read = self._loop.submit(self._engine.kv.read_cached_blocks, hashes)
+        nbytes = len(hashes) * self._block_bytes
+        if self._put_bytes + nbytes > self._max_put_bytes:
+            # Offload never queues work behind the engine: over budget, the put is dropped and
+            # only its reuse is lost (a later request computes the prompt, and puts it then).
+            self.num_blocks_dropped += len(hashes)
+            return
+        self._put_bytes += nbytes
+        owner = f"kvstore-put:{rid}:{next(self._put_ids)}"
+        engine, client, key = self._engine, self.client, self._layout_key
+        # On the engine thread, between steps: hold the blocks by hash and start copying them
+        # to the host beside later steps (None: they left the prefix cache meanwhile).
+        started = self._loop.submit(engine.kv.start_export, owner, hashes)
 
         async def put() -> None:
             try:
-                payload = await read
-                if payload is None:
+                read = await started
+                if read is None:
                     logger.debug("prompt blocks of %s left the cache before the put", rid)
                     return
+                try:
+                    payload = await asyncio.to_thread(read.wait)
+                finally:
+                    self._loop.call_soon(engine.kv.end_export, owner)
                 frames = [tensor_frame(payload[i]) for i in range(payload.shape[0])]
                 with trace.use_span(parent, end_on_exit=False):
                     await client.put(key, hashes, frames)
                 self.num_blocks_stored += len(hashes)
             except LLMFleetError as e:
                 logger.warning("kvstore put of %d blocks failed: %s", len(hashes), e)
+            finally:
+                self._put_bytes -= nbytes
 
         task = asyncio.create_task(put())
         self._tasks.add(task)

@@ -100,7 +100,10 @@ class PrefillSide:
             if out.finish_reason == "abort" or not out.new_token_ids:
                 raise Cancelled(f"request {rid} was cancelled during its prefill")
             kv = engine.kv
-            payload = await loop.call(lambda: kv.read_blocks(kv.pinned_block_ids(rid)))
+            # The copy to the host runs beside later steps (the pin keeps the blocks); the
+            # engine thread only starts it.
+            read = await loop.call(lambda: kv.start_read(kv.pinned_block_ids(rid)))
+            payload = await asyncio.to_thread(read.wait)
             if lease.num_blocks and payload.shape[0] != lease.num_blocks:
                 raise FailedPrecondition(
                     f"the prompt has {payload.shape[0]} blocks, the lease {lease.num_blocks}"

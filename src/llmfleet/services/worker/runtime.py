@@ -186,6 +186,7 @@ class WorkerRuntime:
                 ctx=self._ctx,
                 events_endpoint=self.wc.kvstore_events_endpoint,
                 put_delay_s=self.wc.kvstore_put_delay_ms / 1000,
+                max_put_bytes=self.wc.kvstore_put_max_bytes,
             )
             self.admission.kvstore = self.kvstore
             await self.kvstore.start()

@@ -107,6 +107,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             kvstore_blocks_stored=self.kvstore.num_blocks_stored if self.kvstore else 0,
             kvstore_view_blocks=self.kvstore.num_view_blocks if self.kvstore else None,
             kvstore_lookups_skipped=self.kvstore.num_lookups_skipped if self.kvstore else 0,
+            kvstore_blocks_dropped=self.kvstore.num_blocks_dropped if self.kvstore else 0,
         )
 
     async def GetKVSnapshot(

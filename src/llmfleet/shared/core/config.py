@@ -192,6 +192,8 @@ class WorkerConfig:
     # Puts of a computed prompt's blocks start this long after its first token, off that
     # token's way to the client (they are background work; a request never waits for them).
     kvstore_put_delay_ms: int = 20
+    # KV bytes of puts in flight at most (copies to the host and sends); a put over it is dropped.
+    kvstore_put_max_bytes: int = 1 << 30
     # CPU workers: after a step that gave a request its first token, the next step starts this
     # much later. The step would take every core, so the services carrying that token to the
     # client (router, tokenizer) would wait for the OS to preempt it. Costs one inter-token
@@ -213,6 +215,8 @@ class WorkerConfig:
             )
         if self.kvstore_put_delay_ms < 0:
             raise ValidationError("kvstore_put_delay_ms", "must be >= 0")
+        if self.kvstore_put_max_bytes < 0:
+            raise ValidationError("kvstore_put_max_bytes", "must be >= 0")
         if not 0 <= self.first_token_yield_ms <= 1000:
             raise ValidationError("first_token_yield_ms", "must be in [0, 1000]")
 
