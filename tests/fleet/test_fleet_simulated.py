@@ -5,10 +5,12 @@ every OpenAI streaming chat completes, and the workers end idle with every block
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import openai
 import pytest
 from fleet_helpers import wait_all_blocks_free
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmfleet.cli.fleet_plan import FleetSpec
 from llmfleet.cli.launcher import Fleet
@@ -82,3 +84,50 @@ def test_concurrent_openai_streaming_chats_all_complete(fleet):
     assert [finish for _, finish in results] == ["length"] * CONCURRENCY
     assert all(text for text, _ in results)
     wait_all_blocks_free(fleet)
+
+
+def _lease_outcomes(fleet: Fleet) -> dict[str, float]:
+    with urllib.request.urlopen(fleet.child("router").metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.labels["outcome"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "llmfleet:lease_outcomes_total"
+    }
+
+
+def test_a_full_decode_worker_slows_admission_down_instead_of_failing(tmp_path):
+    """Disaggregated, one prefill and one decode worker whose KV holds a few prompts: 32
+    concurrent long prompts all complete; requests wait for the decode worker's capacity and
+    no lease expires."""
+    spec = FleetSpec(
+        port=0,
+        disaggregated=True,
+        engine={**SIMULATED, "sim_decode_ms_per_seq": 1.0, "block_size": 16},
+        extra_args={
+            "worker": ["--num-kv-blocks", "64", "--lease-ttl-ms", "5000"],
+            "router": ["--short-prompt-threshold", "8", "--max-prefills-per-worker", "4"],
+        },
+        log_dir=str(tmp_path),
+        startup_timeout_s=240,
+    )
+
+    async def one(client: AsyncGenerationClient, i: int) -> int:
+        # 128 prompt tokens (8 blocks) + 16 out: 9 blocks each, so 64 blocks hold 7 at once.
+        result = await client.generate(
+            token_ids=[200 + i] * 128, max_tokens=MAX_TOKENS, ignore_eos=True
+        )
+        return result.usage.completion_tokens
+
+    async def run(endpoint: str) -> list[int]:
+        async with AsyncGenerationClient(endpoint) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    with Fleet(spec) as fleet:
+        assert asyncio.run(run(fleet.endpoint)) == [MAX_TOKENS] * 32
+        outcomes = _lease_outcomes(fleet)
+        assert outcomes["reserve_waited"] > 0  # the decode worker did fill up
+        assert outcomes["expired"] == outcomes["failed"] == outcomes["reserve_failed"] == 0
+        assert outcomes["committed"] == 32
+        wait_all_blocks_free(fleet)

@@ -139,7 +139,8 @@ class KVHandoff:
     def reserve(self, owner: str, num_tokens: int) -> int:
         """Hold blocks for `num_tokens` tokens of KV that will be written in; returns how many.
 
-        Raises CapacityError when the free blocks (including evictable cached ones) are short.
+        Raises CapacityError when the free blocks (including evictable cached ones) are short
+        now, ValidationError when the whole cache could never hold them.
         """
         if num_tokens < 1:
             raise ValidationError("num_prompt_tokens", f"must be >= 1, got {num_tokens}")
@@ -150,6 +151,12 @@ class KVHandoff:
                 f"{self.max_model_len}",
             )
         num_blocks = self.block_manager.blocks_needed(num_tokens)
+        if num_blocks > self.block_manager.num_blocks:  # never fits: not worth waiting for
+            raise ValidationError(
+                "num_prompt_tokens",
+                f"{num_tokens} tokens need {num_blocks} KV blocks, the cache has "
+                f"{self.block_manager.num_blocks}",
+            )
         if self.block_manager.allocate_owned(owner, num_blocks) is None:
             raise CapacityError(
                 f"{num_blocks} KV blocks needed, {self.block_manager.num_free_blocks} free"

@@ -24,6 +24,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=None)
     p.add_argument("--lease-ttl-ms", type=int, default=None)
     p.add_argument("--max-retries", type=int, default=None)
+    p.add_argument(
+        "--max-prefills-per-worker",
+        type=int,
+        default=None,
+        help="disaggregated: KV handoffs in flight per prefill worker (default 8)",
+    )
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 

@@ -11,10 +11,17 @@ first token; `D.StartDecode(lease)` starts decoding. A failure before StartDecod
 lease before the retry, so a request never holds two reservations; every release is counted by
 outcome in `llmfleet:lease_outcomes`. Without a healthy prefill worker the decode worker takes
 the whole request (it prefills itself).
+
+Back-pressure: at most `max_prefills_per_worker` handoffs run per prefill worker (the others
+wait for a slot before reserving anything), and a decode worker without KV for the prompt
+(ReserveKV: RESOURCE_EXHAUSTED) is waited for, not failed: the request holds no lease and no
+slot while it waits, and tries again once that worker frees KV. So a full decode worker slows
+admission down instead of failing requests or filling with leases that expire in a queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -43,7 +50,15 @@ from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A request waiting for a full decode worker looks again when the worker frees KV that this
+# router sees end, and at least this often (it may free some this router does not see).
+_CAPACITY_POLL_S = 0.5
+
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+class _DecodeFull(Exception):
+    """The decode worker has no KV for the prompt now (ReserveKV: RESOURCE_EXHAUSTED)."""
 
 
 class _AttemptFailed(Exception):
@@ -94,45 +109,37 @@ class LeaseHandoff:
         self._reply_endpoint = reply_endpoint
         self._spawn = spawn  # fire-and-forget control RPCs
         self._decode_policy = LeastLoad()
+        self._prefill_slots: dict[str, asyncio.Semaphore] = {}
 
     async def prefill(self, run: RequestRun) -> tuple[Leg, dataplane_pb2.SequenceOutput] | None:
-        """Lease handoff up to the first token; None when it fell back to the decode worker."""
+        """Lease handoff up to the first token; None when it fell back to the decode worker
+        (or the request was aborted while it waited for capacity)."""
         placement = self.placement
         while True:
-            decode_id = placement.route(run, ROLE_DECODE, run.prompt_ids, self._decode_policy)
             if not placement.candidates(run, ROLE_PREFILL, (), False):
+                placement.route(run, ROLE_DECODE, run.prompt_ids, self._decode_policy)
                 await placement.place(run, (0,), run.prompt_ids, run.params)
                 return None
             prefill_id = placement.route(run, ROLE_PREFILL, run.prompt_ids)
-            d_stub, p_stub = self.pool.stub(decode_id), self.pool.stub(prefill_id)
-            if d_stub is None or p_stub is None:
-                missing = decode_id if d_stub is None else prefill_id
-                why = f"worker {missing} not connected"
-                placement.retry(run, missing, why, grpc.StatusCode.UNAVAILABLE)
+            full: str | None = None
+            async with self._slot(prefill_id):
+                if run.aborted:
+                    return None
+                decode_id = placement.route(run, ROLE_DECODE, run.prompt_ids, self._decode_policy)
+                try:
+                    pre = await self._attempt(run, decode_id, prefill_id)
+                except _DecodeFull:
+                    full = decode_id
+                except _AttemptFailed as failed:
+                    placement.retry(run, failed.worker_id, failed.why, failed.code)
+                    continue
+            if full is not None:
+                # Back-pressure, not failure: the request waits in the router until the
+                # decode worker frees KV, holding no lease and no prefill slot meanwhile.
+                await placement.wait_for_capacity(full, _CAPACITY_POLL_S)
+                if run.aborted:
+                    return None
                 continue
-            wire_id = run.next_wire_id()
-            run.used(prefill_id)
-            span = spans.tracer.start_span(
-                "kv_lease",
-                run.trace,
-                attributes={
-                    "llmfleet.decode_worker_id": decode_id,
-                    "llmfleet.prefill_worker_id": prefill_id,
-                },
-            )
-            md = metadata(trace.set_span_in_context(span, run.trace))
-            try:
-                pre = await self._lease_and_prefill(
-                    run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
-                )
-            except _AttemptFailed as failed:
-                _end_lease_span(span, None, None, failed.why)
-                placement.retry(run, failed.worker_id, failed.why, failed.code)
-                continue
-            except BaseException as exc:
-                _end_lease_span(span, None, None, str(exc) or type(exc).__name__)
-                raise
-            _end_lease_span(span, run.lease, pre, None)
             run.num_cached_tokens = max(run.num_cached_tokens, pre.num_cached_tokens)
             mark_submitted(run)
             leg = placement.new_leg(run, decode_id, (0,))
@@ -144,6 +151,50 @@ class LeaseHandoff:
             if pre.finished:
                 out.finish_reason = _first_token_finish(run.params, pre.first_token_id, out)
             return leg, out
+
+    def _slot(self, prefill_id: str) -> asyncio.Semaphore:
+        """The prefill worker's handoffs in flight, at most `max_prefills_per_worker`."""
+        slot = self._prefill_slots.get(prefill_id)
+        if slot is None:
+            slot = self._prefill_slots[prefill_id] = asyncio.Semaphore(
+                self.config.max_prefills_per_worker
+            )
+        return slot
+
+    async def _attempt(
+        self, run: RequestRun, decode_id: str, prefill_id: str
+    ) -> worker_pb2.PrefillResponse:
+        """One handoff attempt in its `kv_lease` span. Raises _AttemptFailed (worth a retry
+        elsewhere) or _DecodeFull (wait for the decode worker's capacity)."""
+        d_stub, p_stub = self.pool.stub(decode_id), self.pool.stub(prefill_id)
+        if d_stub is None or p_stub is None:
+            missing = decode_id if d_stub is None else prefill_id
+            raise _AttemptFailed(
+                missing, f"worker {missing} not connected", grpc.StatusCode.UNAVAILABLE
+            )
+        wire_id = run.next_wire_id()
+        run.used(prefill_id)
+        span = spans.tracer.start_span(
+            "kv_lease",
+            run.trace,
+            attributes={
+                "llmfleet.decode_worker_id": decode_id,
+                "llmfleet.prefill_worker_id": prefill_id,
+            },
+        )
+        md = metadata(trace.set_span_in_context(span, run.trace))
+        try:
+            pre = await self._lease_and_prefill(
+                run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
+            )
+        except (_AttemptFailed, _DecodeFull) as failed:
+            _end_lease_span(span, None, None, str(failed))
+            raise
+        except BaseException as exc:
+            _end_lease_span(span, None, None, str(exc) or type(exc).__name__)
+            raise
+        _end_lease_span(span, run.lease, pre, None)
+        return pre
 
     async def _lease_and_prefill(
         self,
@@ -167,7 +218,12 @@ class LeaseHandoff:
                 metadata=md,
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                metrics.LEASES.labels("reserve_waited").inc()
+                raise _DecodeFull(f"decode worker {decode_id} is full: {exc.details()}") from None
             metrics.LEASES.labels("reserve_failed").inc()
+            if exc.code() in FINAL_CODES:
+                raise field_error(exc.details(), "prompt") from None
             why = f"decode worker {decode_id} ReserveKV: {exc.code().name}: {exc.details()}"
             raise _AttemptFailed(decode_id, why, exc.code()) from None
         pb_lease = reserved.lease
@@ -257,6 +313,7 @@ class LeaseHandoff:
         if lease is None:
             return None
         metrics.LEASES.labels(outcome).inc()
+        self.placement.freed(lease.decode_worker_id)
         stub = self.pool.stub(lease.decode_worker_id)
         if stub is None:
             return None

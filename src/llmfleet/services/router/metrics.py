@@ -42,5 +42,13 @@ LEASES = prom.Counter(
     "llmfleet:lease_outcomes", "KV lease outcomes, as the router sees them", ["outcome"]
 )
 # Every outcome exported at 0 from the start, so rate() and ratios see the series.
-for _outcome in ("committed", "released", "expired", "failed", "reserve_failed", "lost"):
+for _outcome in (
+    "committed",
+    "released",
+    "expired",
+    "failed",
+    "reserve_failed",
+    "reserve_waited",
+    "lost",
+):
     LEASES.labels(_outcome)

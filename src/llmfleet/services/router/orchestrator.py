@@ -168,6 +168,7 @@ class Router:
     def abort(self, request_id: str) -> bool:
         run = self.runs.get(request_id)
         if run is not None:
+            run.aborted = True  # seen by a submission still waiting for capacity
             run.events.put_nowait(Aborted())
             return True
         if request_id in self._pending:

@@ -13,6 +13,8 @@ is dropped from the fleet on the spot (`on_broken`), which migrates its other re
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -83,6 +85,7 @@ class Placement:
         self.policy = policy
         self._on_broken = on_broken
         self._inflight: dict[str, int] = {}  # worker id -> legs the router placed there
+        self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
 
     @property
     def serving_role(self) -> str:
@@ -157,9 +160,24 @@ class Placement:
         self.replies.register(wire_id, sink)
         return leg
 
+    def freed(self, worker_id: str) -> None:
+        """`worker_id` has just released KV (a request ended there, or a lease): wake the
+        requests waiting for its capacity."""
+        event = self._freed.pop(worker_id, None)
+        if event is not None:
+            event.set()
+
+    async def wait_for_capacity(self, worker_id: str, timeout_s: float) -> None:
+        """Until `worker_id` frees KV, or `timeout_s` (it may free some that this router does
+        not see: another router's request, an expired lease)."""
+        event = self._freed.setdefault(worker_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+
     def close_leg(self, run: RequestRun, leg: Leg) -> None:
         if run.legs.pop(leg.wire_id, None) is None:
             return
+        self.freed(leg.worker_id)
         self.replies.unregister(leg.wire_id)
         n = self._inflight.get(leg.worker_id, 0) - 1
         if n > 0:

@@ -164,6 +164,9 @@ class RouterConfig:
     heartbeat_timeout_ms: int = 3000  # a worker silent this long stops receiving traffic
     lease_ttl_ms: int = 30000
     max_retries: int = 1  # re-submissions of a request after a worker failure
+    # disaggregated: KV handoffs (reserve, prefill, push) in flight per prefill worker; more
+    # wait their turn in the router, so decode KV is not held by leases a queue has not reached.
+    max_prefills_per_worker: int = 8
     max_queued_requests: int = 1024  # beyond: RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
@@ -171,6 +174,8 @@ class RouterConfig:
             raise ValidationError("mode", f"must be aggregated or disaggregated, got {self.mode}")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValidationError("routing_policy", f"must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.max_prefills_per_worker < 1:
+            raise ValidationError("max_prefills_per_worker", "must be >= 1")
         if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
             raise ValidationError("heartbeat_timeout_ms", "must exceed heartbeat_interval_ms")
 
