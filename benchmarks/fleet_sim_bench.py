@@ -22,19 +22,18 @@ highest engine rate at which the fleet kept >= 0.9x of it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import random
-import statistics
 import time
 
-from llmfleet.cli.benchserve.runner import serve
+from fleet_load import HEADER, Load, engine_load, row, serve_load
+
 from llmfleet.cli.fleet_plan import FleetSpec
 from llmfleet.cli.launcher import Fleet
-from llmfleet.cli.parser import build_parser
 from llmfleet.engine.engine import LLMEngine
 from llmfleet.shared.core.config import EngineConfig
-from llmfleet.shared.core.sampling_params import SamplingParams
 
 KV_CACHE_BYTES = 1 << 36  # simulated: the blocks of an accelerator, not host memory
 
@@ -72,65 +71,24 @@ def engine_settings(args: argparse.Namespace, workers: int, rate: float) -> dict
     }
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
-
-
-def run_engine(args: argparse.Namespace, settings: dict[str, object], num: int) -> dict:
-    """`num` requests through one in-process engine, `max_num_seqs` at a time."""
+def run_engine(args: argparse.Namespace, settings: dict[str, object], num: int) -> Load:
+    """`num` random prompts through one in-process engine, `max_num_seqs` at a time."""
     engine = LLMEngine.from_config(EngineConfig(**settings))  # type: ignore[arg-type]
-    limit = int(settings["max_num_seqs"])  # type: ignore[call-overload]
     rng = random.Random(0)
     vocab = engine.spec.vocab_size
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    sent: dict[str, float] = {}
-    last: dict[str, float] = {}
-    ttft: list[float] = []
-    itl: list[float] = []
-    tokens = next_id = 0
-    start = time.perf_counter()
-    while next_id < num or engine.has_unfinished():
-        while next_id < num and engine.num_running + engine.num_waiting < limit:
-            rid = f"r{next_id}"
-            prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
-            engine.add_request(rid, prompt, params)
-            sent[rid] = time.perf_counter()
-            next_id += 1
-        for out in engine.step():
-            now = time.perf_counter()
-            n = len(out.new_token_ids)
-            if n:
-                prev = last.get(out.request_id)
-                (ttft if prev is None else itl).append(now - (prev or sent[out.request_id]))
-                last[out.request_id] = now
-                tokens += n
-    seconds = time.perf_counter() - start
-    return {"tok_s": tokens / seconds, "ttft": ttft, "itl": itl}
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(num)]
+    return engine_load(engine, prompts, args.output_len, int(settings["max_num_seqs"]))  # type: ignore[call-overload]
 
 
-def run_fleet(args: argparse.Namespace, settings: dict[str, object], workers: int) -> dict:
+def run_fleet(args: argparse.Namespace, settings: dict[str, object], workers: int) -> Load:
     spec = FleetSpec(port=0, workers=workers, engine=settings, startup_timeout_s=300)
+    workload = [
+        *("--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency)),
+        *("--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)),
+        *("--num-warmups", "4"),
+    ]
     with Fleet(spec) as fleet:
-        argv = [
-            *("bench", "serve", "--endpoint", fleet.endpoint, "--disable-tqdm"),
-            *("--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency)),
-            *("--random-input-len", str(args.input_len)),
-            *("--random-output-len", str(args.output_len)),
-            *("--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,itl"),
-            *("--metric-percentiles", "50,99", "--num-warmups", "4"),
-        ]
-        outcome = serve(build_parser().parse_args(argv))
-    m = outcome.metrics
-    return {
-        "tok_s": m.output_throughput,
-        "failed": m.failed,
-        "ttft": (
-            m.distributions["ttft"].percentiles[50.0],
-            m.distributions["ttft"].percentiles[99.0],
-        ),
-        "itl": (m.distributions["itl"].percentiles[50.0], m.distributions["itl"].percentiles[99.0]),
-    }
+        return serve_load(["--endpoint", fleet.endpoint], workload)
 
 
 def main() -> None:
@@ -144,32 +102,20 @@ def main() -> None:
             eng = run_engine(args, settings, max(1, args.num_prompts // workers))
             fleet = run_fleet(args, settings, workers)
             rows.append((workers, rate, eng, fleet))
-            print(f"engine {eng['tok_s'] * workers:.0f} tok/s, fleet {fleet['tok_s']:.0f} tok/s")
+            print(f"engines {eng.tok_s * workers:.0f} tok/s, fleet {fleet.tok_s:.0f} tok/s")
     print(
         f"\n# fleet vs its engines, simulated workers — {time.strftime('%Y-%m-%d')}, "
         f"{platform.machine()}, {os.cpu_count()} cores; {args.num_prompts} requests of "
         f"{args.input_len} + {args.output_len} tokens at concurrency {args.concurrency}, "
         f"gRPC, kvstore on; {time.monotonic() - started:.0f} s in all"
     )
-    print(
-        "| workers | engine rate set | engines tok/s | fleet tok/s | fleet / engines | "
-        "engine ITL p50/p99 ms | fleet ITL p50/p99 ms | fleet TTFT p50/p99 ms | failed |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     for workers, rate, eng, fleet in rows:
-        engines = eng["tok_s"] * workers
-        e_itl = (
-            f"{1e3 * statistics.median(eng['itl']):.0f} / {1e3 * percentile(eng['itl'], 99):.0f}"
-        )
-        f_itl = "{:.0f} / {:.0f}".format(*fleet["itl"])
-        f_ttft = "{:.0f} / {:.0f}".format(*fleet["ttft"])
-        print(
-            f"| {workers} | {rate:g} | {engines:.0f} | {fleet['tok_s']:.0f} | "
-            f"{fleet['tok_s'] / engines:.2f}x | {e_itl} | {f_itl} | {f_ttft} | {fleet['failed']} |"
-        )
+        engines = dataclasses.replace(eng, tok_s=eng.tok_s * workers)
+        print(row(f"{workers} worker(s), engines set to {rate:g} tok/s", engines, fleet))
     for workers in args.workers:
-        kept = [r for w, r, e, f in rows if w == workers and f["tok_s"] >= 0.9 * e["tok_s"] * w]
-        best = max((f["tok_s"] for w, _, _, f in rows if w == workers), default=0.0)
+        kept = [r for w, r, e, f in rows if w == workers and f.tok_s >= 0.9 * e.tok_s * w]
+        best = max((f.tok_s for w, _, _, f in rows if w == workers), default=0.0)
         print(
             f"{workers} worker(s): highest fleet rate {best:.0f} tok/s; kept >= 0.9x of the "
             f"engines up to {max(kept):g} tok/s" if kept else

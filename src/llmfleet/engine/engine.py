@@ -88,8 +88,11 @@ class LLMEngine:
                 f"the model was loaded in {self.spec.dtype}, the engine is configured for "
                 f"{config.dtype}",
             )
-        if config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        # A GPU engine's host tensor work is small (KV payloads, inputs); torch's default of a
+        # thread per core makes every such op wake a team that then spins, cores at a time.
+        threads = config.num_threads or (1 if self.device.type == "cuda" else None)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.max_model_len = min(
             config.max_model_len or self.spec.max_model_len, self.spec.max_model_len
         )

@@ -44,7 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_n: int = 16
     max_logprobs: int = 20
-    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    # Intra-op CPU threads; None: torch's default on a CPU device, 1 with a CUDA device.
+    num_threads: int | None = None
     # CUDA devices: decode steps of up to this many sequences replay CUDA graphs captured at
     # start-up (capped by max_num_seqs); 0 runs every step eagerly; unset: max_num_seqs, at
     # most 512. Ignored on the CPU.

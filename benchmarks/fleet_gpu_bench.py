@@ -1,0 +1,197 @@
+"""The fleet on one GPU against the engine alone: a Llama-3-8B-shaped model, the same requests
+through the in-process engine and through real fleets on loopback, side by side in one run.
+
+    python3 benchmarks/fleet_gpu_bench.py [--paths aggregated disaggregated] [--concurrency 64 256]
+    python3 benchmarks/fleet_gpu_bench.py --tiny    # the same code paths, tiny model, on a CPU
+
+1. Writes (once, under --workdir) a random Llama-3-8B-shaped bf16 checkpoint in 4 safetensors
+   shards, with a word-level tokenizer that spells every id of the model's vocabulary (so every
+   generated token has text, as with a real model) and a chat template.
+2. The requests: `llmfleet bench serve`'s random dataset (--num-prompts prompts of --input-len
+   tokens, --output-len tokens out, ignore_eos, greedy, seed 0), the same token prompts for
+   every path (the OpenAI chat path sends their text).
+3. The in-process engine (`LLMEngine`, the workers' engine settings) at each concurrency.
+4. `aggregated`: kvstore, tokenizer, router, gateway and one unified worker; `bench serve` over
+   gRPC, then through the OpenAI chat gateway, at each concurrency.
+5. `disaggregated`: one prefill and one decode worker on the same GPU, each with
+   --gpu-memory-utilization 0.45; gRPC at each concurrency.
+Each row: output tokens/s of the engine and of the fleet, their ratio, ITL and TTFT
+percentiles, failed requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from e2e_llama3_bench import llama3_8b_config
+from fleet_load import HEADER, Load, cpu_seconds, cpu_share, engine_load, row, serve_load
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from llmfleet.cli.benchserve.datasets import HFTokenizer, random_requests
+from llmfleet.cli.fleet_plan import FleetSpec
+from llmfleet.cli.launcher import Fleet
+from llmfleet.engine.engine import LLMEngine, load_for
+from llmfleet.shared.core.config import EngineConfig
+
+SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|> {{ m['role'] }} <|end_header_id|> "
+    "{{ m['content'] }} <|end_of_text|> {% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|> assistant <|end_header_id|> {% endif %}"
+)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--paths", nargs="+", default=["aggregated", "disaggregated"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llmfleet-fleet-gpu-bench"))
+    ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke test)")
+    ap.add_argument("--no-openai", action="store_true", help="aggregated: gRPC only")
+    args = ap.parse_args()
+    if args.tiny:
+        args.num_prompts, args.input_len, args.output_len = 16, 24, 8
+        args.concurrency = [4, 8]
+    return args
+
+
+def write_checkpoint(directory: Path, tiny: bool) -> Path:
+    """The random checkpoint and its tokenizer (kept: a later run reuses them)."""
+    if (directory / "config.json").is_file():
+        return directory
+    tiny_sizes = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    )  # fmt: skip
+    config = llama3_8b_config(**(tiny_sizes if tiny else {}))
+    vocab = config.vocab_size
+    config.bos_token_id, config.eos_token_id = vocab - len(SPECIALS), vocab - len(SPECIALS) + 1
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, max_shard_size="5GB")
+    del model
+    words = {f"w{i}": i for i in range(vocab - len(SPECIALS))}
+    words.update({s: vocab - len(SPECIALS) + i for i, s in enumerate(SPECIALS)})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIALS[0],
+        eos_token=SPECIALS[1],
+        additional_special_tokens=list(SPECIALS[2:]),
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return directory
+
+
+def engine_settings(tiny: bool) -> dict[str, Any]:
+    return {} if tiny else {"device": "cuda", "dtype": "bfloat16"}
+
+
+def workload(args: argparse.Namespace, checkpoint: Path, concurrency: int) -> list[str]:
+    return [
+        *("--tokenizer", str(checkpoint), "--num-prompts", str(args.num_prompts)),
+        *("--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)),
+        *("--max-concurrency", str(concurrency), "--seed", "0"),
+    ]
+
+
+def run_engine(args: argparse.Namespace, checkpoint: Path) -> dict[int, Load]:
+    config = EngineConfig(model=str(checkpoint), **engine_settings(args.tiny))
+    loaded = load_for(config)
+    prompts = [
+        r.prompt
+        for r in random_requests(
+            HFTokenizer(loaded.tokenizer, loaded.spec.vocab_size),
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            seed=0,
+        )
+    ]
+    engine = LLMEngine(config, loaded)
+    engine_load(engine, prompts[:8], 4, 8)  # warm-up
+    out = {c: engine_load(engine, prompts, args.output_len, c) for c in args.concurrency}  # type: ignore[arg-type]
+    del engine, loaded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str, dict[int, Load]]:
+    settings = engine_settings(args.tiny)
+    extra: dict[str, list[str]] = {}
+    if path == "disaggregated" and not args.tiny:
+        extra["worker"] = ["--gpu-memory-utilization", "0.45"]
+    spec = FleetSpec(
+        port=0,
+        model=str(checkpoint),
+        device=settings.get("device"),
+        dtype=settings.get("dtype"),
+        disaggregated=path == "disaggregated",
+        gateway=path == "aggregated",
+        http_port=0,
+        extra_args=extra,
+        startup_timeout_s=600,
+    )
+    results: dict[str, dict[int, Load]] = {}
+    with Fleet(spec) as fleet:
+        targets = {f"{path}, gRPC": ["--endpoint", fleet.endpoint]}
+        if path == "aggregated" and not args.no_openai:
+            url = str(fleet.http_url)
+            targets["aggregated, OpenAI chat"] = ["--backend", "openai-chat", "--base-url", url]
+        pids = {c.name: c.proc.pid for c in fleet.children if c.proc is not None}
+        for name, target in targets.items():
+            results[name] = {}
+            for c in args.concurrency:
+                before, start = cpu_seconds(pids), time.monotonic()
+                load = serve_load(target, [*workload(args, checkpoint, c), "--num-warmups", "4"])
+                results[name][c] = load
+                share = cpu_share(before, cpu_seconds(pids), time.monotonic() - start)
+                print(
+                    f"{name}, concurrency {c}: {load.tok_s:.0f} tok/s; cores: {share}", flush=True
+                )
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.monotonic()
+    checkpoint = write_checkpoint(args.workdir / ("tiny" if args.tiny else "llama3-8b"), args.tiny)
+    print(f"checkpoint {checkpoint} ({time.monotonic() - started:.0f} s)", flush=True)
+    engine = run_engine(args, checkpoint)
+    for c, load in engine.items():
+        print(f"engine, concurrency {c}: {load.tok_s:.0f} tok/s", flush=True)
+    fleets: dict[str, dict[int, Load]] = {}
+    for path in args.paths:
+        fleets.update(run_fleet(args, checkpoint, path))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine()
+    print(
+        f"\n# the fleet vs the engine alone — {time.strftime('%Y-%m-%d')}, {device}, torch "
+        f"{torch.__version__}; {'tiny model' if args.tiny else 'Llama-3-8B shape, bf16'}, "
+        f"{args.num_prompts} requests of {args.input_len} + {args.output_len} tokens; "
+        f"{time.monotonic() - started:.0f} s in all"
+    )
+    print(HEADER)
+    for name, by_conc in fleets.items():
+        for c, load in by_conc.items():
+            print(row(f"{name}, concurrency {c}", engine[c], load))
+
+
+if __name__ == "__main__":
+    main()
