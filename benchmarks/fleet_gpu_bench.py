@@ -37,7 +37,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from llmfleet.cli.benchserve.datasets import HFTokenizer, random_requests
 from llmfleet.cli.fleet_plan import FleetSpec
 from llmfleet.cli.launcher import Fleet
-from llmfleet.engine.engine import LLMEngine, load_for
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.forward_pass import load_for
 from llmfleet.shared.core.config import EngineConfig
 
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from llmfleet.client.llm import LLM
-from llmfleet.engine.engine import LLMEngine, load_for
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.forward_pass import load_for
 from llmfleet.models.simulated import StepTime
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import ValidationError

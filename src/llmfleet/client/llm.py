@@ -14,7 +14,8 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from llmfleet.engine.engine import LLMEngine, load_for
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.forward_pass import load_for
 from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel
 from llmfleet.shared.core.config import EngineConfig

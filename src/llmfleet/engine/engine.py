@@ -42,16 +42,16 @@ import torch
 from llmfleet.engine.async_scheduling import DecodeChain, InFlight
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.flops import ModelShape, StepBatch, StepCost, estimate_step_cost, model_shape
+from llmfleet.engine.forward_pass import forward_pass, load_for
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
 from llmfleet.engine.memory import kv_cache_bytes
-from llmfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
+from llmfleet.engine.model_runner import kv_bytes_per_block
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
-from llmfleet.engine.sampler import Sampler, SamplingRow
+from llmfleet.engine.sampler import SamplingRow
 from llmfleet.engine.scheduler import Scheduler
-from llmfleet.engine.simulated import SimulatedRunner, SimulatedSampler
-from llmfleet.models.loader import LoadedModel, load_model, load_simulated
-from llmfleet.models.simulated import SimulatedModel, StepTime
+from llmfleet.models.loader import LoadedModel
+from llmfleet.models.simulated import SimulatedModel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
@@ -59,19 +59,6 @@ from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def load_for(config: EngineConfig) -> LoadedModel:
-    """The model `config` asks for: its checkpoint's weights, or (`simulate`) its simulated
-    model."""
-    if config.simulate:
-        return load_simulated(config.model, dtype=config.torch_dtype)
-    return load_model(
-        config.model,
-        dtype=config.torch_dtype,
-        device=config.device,
-        quantization=config.quantization,
-    )
 
 
 class LLMEngine:
@@ -113,28 +100,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner: ModelRunner
-        self.sampler: Sampler
-        if isinstance(self.model, SimulatedModel):
-            step_time = StepTime(
-                config.sim_step_ms, config.sim_decode_ms_per_seq, config.sim_prefill_ms_per_token
-            )
-            self.runner = SimulatedRunner(
-                self.spec, self.block_manager, step_time, device=self.device
-            )
-            self.sampler = SimulatedSampler(self.model)
-        else:
-            self.runner = ModelRunner(
-                self.model,
-                self.spec,
-                self.block_manager,
-                dtype=config.torch_dtype,
-                device=self.device,
-            )
-            graph_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
-            if self.device.type == "cuda" and graph_batch > 0:
-                self.runner.capture_decode_graphs(graph_batch, self.max_model_len)
-            self.sampler = Sampler()
+        self.runner, self.sampler = forward_pass(
+            config, loaded, self.block_manager, self.device, self.max_model_len
+        )
         self.kv = KVHandoff(self.block_manager, self.runner, self.max_model_len)
         self.chain = DecodeChain(
             self.runner,

@@ -117,7 +117,6 @@ class LeaseHandoff:
         placement = self.placement
         while True:
             if not placement.candidates(run, ROLE_PREFILL, (), False):
-                placement.route(run, ROLE_DECODE, run.prompt_ids, self._decode_policy)
                 await placement.place(run, (0,), run.prompt_ids, run.params)
                 return None
             prefill_id = placement.route(run, ROLE_PREFILL, run.prompt_ids)

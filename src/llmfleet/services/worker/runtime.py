@@ -31,7 +31,8 @@ import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2
 
-from llmfleet.engine.engine import LLMEngine, load_for
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.forward_pass import load_for
 from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.worker.admission import Admission
