@@ -19,7 +19,9 @@ from llmfleet.shared.core.sampling_params import SamplingParams
 pytestmark = pytest.mark.gpu
 STEPS = 32
 BATCHES = (1, 3, 17)
-CFG = dict(device="cuda", block_size=16, num_kv_blocks=256, max_num_batched_tokens=2048)
+CFG = dict(
+    device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=64, max_num_batched_tokens=2048
+)
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], float]:

@@ -70,7 +70,7 @@ def test_gpu_exported_blocks_are_read_beside_later_steps(make_checkpoint, tmp_pa
     hashes = engine.kv.cached_block_hashes()
     ids = engine.block_manager.cached_block_ids(hashes)
     read = engine.kv.start_export("put", hashes)
-    engine.add_request("b", list(range(500, 540)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("b", list(range(100, 140)), SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished():  # later steps run while the copy is in flight
         engine.step()
     payload = read.wait()
