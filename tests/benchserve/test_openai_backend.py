@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -165,3 +167,49 @@ def test_run_requests_keeps_max_concurrency_and_the_arrival_schedule():
         assert duration >= max(r.end_s for r in records)
 
     serve(test)
+
+
+def test_first_request_after_a_long_dataset_build_survives_the_keep_alive_timeout():
+    """The model probe's connection is not kept: building the dataset after it (its event loop
+    busy, as here) can outlast the server's keep-alive timeout, and the first request must not
+    be written to a connection the server has closed."""
+    fake = FakeOpenAI()
+    started = threading.Event()
+    stop: list[Callable[[], None]] = []
+    ports: list[int] = []
+
+    def server() -> None:  # its own thread and loop: it closes idle connections meanwhile
+        async def main() -> None:
+            runner = web.AppRunner(fake.app(), keepalive_timeout=0.1)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+            done = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            stop.append(lambda: loop.call_soon_threadsafe(done.set))
+            started.set()
+            await done.wait()
+            await runner.cleanup()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=server)
+    thread.start()
+    try:
+        assert started.wait(10)
+
+        async def client() -> list[RequestRecord]:
+            backend = OpenAIBackend(f"http://127.0.0.1:{ports[0]}", chat=True)
+            try:
+                assert await backend.model() == ("fake-model", None)
+                time.sleep(0.5)  # building the dataset holds the loop
+                return [await send_one(backend, f"p{i}", 2) for i in range(2)]
+            finally:
+                await backend.close()
+
+        records = asyncio.run(client())
+    finally:
+        stop[0]()
+        thread.join(10)
+    assert [(r.success, r.error) for r in records] == [(True, "")] * 2

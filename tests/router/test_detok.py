@@ -22,7 +22,7 @@ async def _with_tokenizer(body):
     channel = grpc.aio.insecure_channel(fakes[0].address)
     detok = Detokenizer(tokenizer_pb2_grpc.TokenizerStub(channel))
     try:
-        return await body(fakes, detok)
+        return await body(fakes, detok, channel)
     finally:
         await detok.close_stream()
         await channel.close()
@@ -30,7 +30,7 @@ async def _with_tokenizer(body):
 
 
 def test_one_turn_of_feeds_is_one_request_and_each_gets_its_text():
-    async def body(fakes, detok):
+    async def body(fakes, detok, channel):
         fake = fakes[0]
         seqs = [DetokSequence(detok, index=i) for i in range(50)]
         for s in seqs:
@@ -52,7 +52,7 @@ def test_one_turn_of_feeds_is_one_request_and_each_gets_its_text():
 
 
 def test_stop_strings_and_finished_sequences():
-    async def body(fakes, detok):
+    async def body(fakes, detok, channel):
         fake = fakes[0]
         a, b = DetokSequence(detok), DetokSequence(detok)
         a.open([], SamplingParams(stop=["END"]))
@@ -71,7 +71,7 @@ def test_stop_strings_and_finished_sequences():
 
 
 def test_a_broken_stream_fails_its_sequences_and_the_next_open_starts_anew():
-    async def body(fakes, detok):
+    async def body(fakes, detok, channel):
         old = DetokSequence(detok)
         old.open([], SamplingParams())
         assert await old.feed(list(b"hi"), False) == ("hi", "")
@@ -81,6 +81,9 @@ def test_a_broken_stream_fails_its_sequences_and_the_next_open_starts_anew():
             await old.feed(list(b"more"), False)
         fakes.append(FakeTokenizer())  # and comes back on the same port
         await fakes[-1].start(port)
+        # Opened while the channel still backs off from the failed connection, the new stream
+        # would fail at once: a test on a busy machine waits for the reconnection.
+        await asyncio.wait_for(channel.channel_ready(), 30)
         new = DetokSequence(detok)
         new.open([], SamplingParams())
         with pytest.raises(Unavailable):  # the old sequence stays lost

@@ -182,7 +182,10 @@ class OpenAIBackend:
 
         url = self.target + "/v1/models"
         try:
-            async with self._http().get(url) as resp:
+            # Not kept alive: building the dataset after this probe can outlast the server's
+            # keep-alive timeout (uvicorn's: 5 s), and the first request would then be written
+            # to a connection the server has closed ("Can not write request body").
+            async with self._http().get(url, headers={"Connection": "close"}) as resp:
                 body = await resp.text()
                 if resp.status != 200:
                     raise LLMFleetError(f"GET {url}: HTTP {resp.status}: {body[:200]}")

@@ -229,7 +229,7 @@ class Router:
                     async for resp in self._submit(run):
                         yield resp
                 while not run.done:
-                    resp = await self._on_event(run, await run.events.get())
+                    resp = await self._on_event(run, await run.next_event())
                     if resp is not None:
                         yield resp
             finally:

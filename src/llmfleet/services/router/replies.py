@@ -65,3 +65,31 @@ class ReplyReceiver:
             self.num_dropped += len(outs)
             return
         sink(worker_id, outs)
+
+
+def merge_outputs(
+    outs: Sequence[dataplane_pb2.SequenceOutput],
+) -> Sequence[dataplane_pb2.SequenceOutput]:
+    """Outputs of several consecutive steps of one request, one per completion index: the
+    token ids and logprobs joined in order, the ending (finish reason, stop token) of the last.
+    Returns `outs` itself when no index repeats."""
+    by_index: dict[int, list[dataplane_pb2.SequenceOutput]] = {}
+    for out in outs:
+        by_index.setdefault(out.index, []).append(out)
+    if len(by_index) == len(outs):
+        return outs
+    merged = []
+    for parts in by_index.values():
+        if len(parts) == 1:
+            merged.append(parts[0])
+            continue
+        m = dataplane_pb2.SequenceOutput()
+        m.CopyFrom(parts[-1])
+        del m.token_ids[:]
+        del m.logprobs[:]
+        for part in parts:
+            m.token_ids.extend(part.token_ids)
+            m.logprobs.extend(part.logprobs)
+        m.num_cached_tokens = max(p.num_cached_tokens for p in parts)
+        merged.append(m)
+    return merged

@@ -8,7 +8,10 @@ after a migration each unfinished completion that already streamed tokens runs a
 its wire id is unregistered from the reply endpoint and outputs from another worker are ignored.
 
 Everything here is owned by the request's own task (the Generate handler), except `events`,
-which the reply endpoint, the failure detector and Abort feed.
+which the reply endpoint, the failure detector and Abort feed. Output events are `(leg, worker
+id, outputs of one step)`; when the request's stream writes fall behind the engine's steps,
+`next_event` joins the output events already waiting into one, so that one message carries
+several steps' tokens instead of one message per step.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.context import Context
 
 from llmfleet.services.router.detok import DetokSequence
+from llmfleet.services.router.replies import merge_outputs
 from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingParams
 
@@ -93,6 +98,15 @@ class RequestRun:
     aborted: bool = False
     trace: Context = field(default_factory=Context)  # its `llm_request` span (spans.py)
     workers_used: list[str] = field(default_factory=list)  # every worker it ran on, in order
+    _carried: object | None = None  # taken from `events` by next_event, not handled yet
+
+    async def next_event(self) -> object:
+        """The next event: output events of one leg and worker already waiting are joined."""
+        ev = self._carried if self._carried is not None else await self.events.get()
+        self._carried = None
+        if isinstance(ev, tuple):
+            ev, self._carried = take_ready(self.events, ev)
+        return ev
 
     def used(self, worker_id: str) -> None:
         if worker_id not in self.workers_used:
@@ -114,3 +128,19 @@ class RequestRun:
         if self.lease is not None:
             ids.add(self.lease.decode_worker_id)
         return ids
+
+
+def take_ready(queue: asyncio.Queue[Any], first: Any) -> tuple[Any, Any]:
+    """`first`, an output event taken from `queue`, joined with the output events of the same
+    leg and worker waiting behind it; and the next event that could not be joined (or None),
+    which the caller handles next."""
+    leg, worker_id, outs = first
+    joined: list[Any] | None = None
+    nxt = None
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        if not (isinstance(nxt, tuple) and nxt[0] is leg and nxt[1] == worker_id):
+            break
+        joined = [*(joined or outs), *nxt[2]]
+        nxt = None
+    return (first if joined is None else (leg, worker_id, merge_outputs(joined))), nxt
