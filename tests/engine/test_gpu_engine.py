@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.kv_handoff import stage_payload
 from llmfleet.models.loader import load_model
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
@@ -85,3 +86,36 @@ def test_gpu_exported_blocks_are_read_beside_later_steps(make_checkpoint, tmp_pa
     while other.has_unfinished():
         again += [t for o in other.step() for t in o.new_token_ids]
     assert again == tokens
+
+
+def test_gpu_staged_pushed_blocks_write_asynchronously_and_decode_the_same(
+    make_checkpoint, tmp_path
+):
+    """A decode worker's path for pushed KV: the blocks (host views, as ZMQ frames give them)
+    are staged into pinned memory off the engine thread, and written into a reservation with
+    an asynchronous copy; decoding from them gives the tokens of a plain run."""
+    loaded = load_model(str(make_checkpoint("llama", tmp_path)), device="cuda", progress=False)
+    config = EngineConfig(device="cuda", num_kv_blocks=64, block_size=16)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    prompt = list(range(5, 5 + 50))
+    plain = LLMEngine(config, loaded)
+    plain.add_request("r", prompt, params)
+    expected = []
+    while plain.has_unfinished():
+        expected += [t for o in plain.step() for t in o.new_token_ids]
+
+    p = LLMEngine(config, loaded)
+    p.add_request("r", prompt, params, prefill_only=True)
+    first = p.step()[0].new_token_ids[0]
+    host = p.kv.read_blocks(p.kv.pinned_block_ids("r"))
+    views = [b.clone() for b in host]  # pageable host blocks, one per frame
+    payload = stage_payload(views, pinned=True)
+    assert payload.is_pinned() and torch.equal(payload, host)
+    d = LLMEngine(config, loaded)
+    assert d.kv.reserve("lease", len(prompt)) == len(views)
+    d.kv.write_reserved("lease", 0, payload)
+    d.start_decode("lease", "r", prompt, first, params)
+    rest = []
+    while d.has_unfinished():
+        rest += [t for o in d.step() for t in o.new_token_ids]
+    assert [first, *rest] == expected

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from llmfleet.services.router.replies import merge_outputs
-from llmfleet.services.router.request import take_ready
+from llmfleet.services.router.request import Outputs, take_ready
 from llmfleet.v1 import common_pb2, dataplane_pb2
 
 FR = common_pb2.FinishReason
@@ -34,22 +34,26 @@ def test_merge_outputs_joins_steps_per_index_in_order() -> None:
     assert merge_outputs(single) is single
 
 
-def test_take_ready_stops_at_another_leg_or_event() -> None:
+def test_take_ready_joins_one_legs_waiting_steps_and_stops_at_anything_else() -> None:
     async def go() -> None:
         q: asyncio.Queue[object] = asyncio.Queue()
         leg, other = object(), object()
-        first = (leg, "w0", [out(0, [1])])
-        for ev in [(leg, "w0", [out(0, [2])]), (leg, "w0", [out(0, [3])]), (other, "w0", [])]:
-            q.put_nowait(ev)
+
+        def ev(which: object, worker: str, ids: list[int], t: float) -> Outputs:
+            return Outputs(which, worker, [out(0, ids)], [t])  # type: ignore[arg-type]
+
+        for e in [ev(leg, "w0", [2], 2.0), ev(leg, "w0", [3], 3.0), ev(other, "w0", [9], 4.0)]:
+            q.put_nowait(e)
         q.put_nowait("failed")
-        merged, carried = take_ready(q, first)
-        assert merged[0] is leg and [list(o.token_ids) for o in merged[2]] == [[1, 2, 3]]
-        assert carried is not None and carried[0] is other
+        merged, carried = take_ready(q, ev(leg, "w0", [1], 1.0))
+        assert merged.leg is leg and [list(o.token_ids) for o in merged.outs] == [[1, 2, 3]]
+        assert merged.arrived == [1.0, 2.0, 3.0]  # each step's arrival, for TTFT and ITL
+        assert isinstance(carried, Outputs) and carried.leg is other
         assert q.get_nowait() == "failed" and q.empty()
-        alone = (leg, "w0", [out(0, [4])])
+        alone = ev(leg, "w0", [4], 5.0)
         assert take_ready(q, alone) == (alone, None)  # nothing waiting: unchanged
-        q.put_nowait((leg, "w1", [out(0, [5])]))  # the same leg from another worker
+        q.put_nowait(ev(leg, "w1", [5], 6.0))  # the same leg from another worker
         merged, carried = take_ready(q, alone)
-        assert merged is alone and carried[1] == "w1"
+        assert merged is alone and isinstance(carried, Outputs) and carried.worker_id == "w1"
 
     asyncio.run(go())

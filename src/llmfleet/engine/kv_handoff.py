@@ -44,6 +44,17 @@ from llmfleet.engine.request import Request
 from llmfleet.shared.core.errors import CapacityError, ValidationError
 
 
+def stage_payload(blocks: list[torch.Tensor], *, pinned: bool) -> torch.Tensor:
+    """Blocks received from a peer (host views, each (L, 2, bs, H, D)) as one payload
+    (nb, L, 2, bs, H, D) for `write_reserved`, in pinned memory when `pinned` (a CUDA engine:
+    the copy to the GPU is then asynchronous). A host copy: call it off the engine thread."""
+    if not blocks:
+        raise ValueError("no blocks to stage")
+    shape = (len(blocks), *blocks[0].shape)
+    out = torch.empty(shape, dtype=blocks[0].dtype, pin_memory=pinned)
+    return torch.stack(blocks, out=out)
+
+
 class KVHandoff:
     def __init__(self, block_manager: BlockManager, runner: ModelRunner, max_model_len: int):
         self.block_manager = block_manager

@@ -159,7 +159,9 @@ class ModelRunner:
         if not block_ids:
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        src = payload.to(device=self.device, dtype=self.kv_caches[0].dtype)
+        # From pinned memory the copy is asynchronous (the engine thread does not wait for it;
+        # the cache writes below follow it on the same stream).
+        src = payload.to(self.device, self.kv_caches[0].dtype, non_blocking=payload.is_pinned())
         src = src.permute(1, 2, 0, 3, 4, 5)  # (L, 2, nb, bs, H, D)
         for layer, kv in enumerate(self.kv_caches):
             kv.index_copy_(1, idx, src[layer])

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
@@ -41,7 +41,14 @@ from llmfleet.services.router.registry import (
     WorkerRegistry,
 )
 from llmfleet.services.router.replies import ReplyReceiver
-from llmfleet.services.router.request import Aborted, CompletionState, Leg, RequestRun, WorkerFailed
+from llmfleet.services.router.request import (
+    Aborted,
+    CompletionState,
+    Leg,
+    Outputs,
+    RequestRun,
+    WorkerFailed,
+)
 from llmfleet.services.router.routing import Policy, make_policy
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
@@ -56,7 +63,6 @@ from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tracing import metadata
 from llmfleet.v1 import (
     common_pb2,
-    dataplane_pb2,
     generation_pb2,
     tokenizer_pb2_grpc,
     worker_pb2,
@@ -260,7 +266,9 @@ class Router:
         if first is None:  # no prefill worker: the decode worker prefilled it itself
             return
         leg, out = first
-        resp = await self._apply_outputs(run, leg, (out,))
+        resp = await self._apply_outputs(
+            run, Outputs(leg, leg.worker_id, (out,), [time.perf_counter()])
+        )
         if run.done:
             self.handoff.release(run, "released")
         if resp is None:
@@ -274,11 +282,10 @@ class Router:
     async def _on_event(
         self, run: RequestRun, ev: object
     ) -> generation_pb2.GenerateResponse | None:
-        if isinstance(ev, tuple):
-            leg, worker_id, outs = ev
-            if leg.wire_id not in run.legs or worker_id != leg.worker_id:
+        if isinstance(ev, Outputs):
+            if ev.leg.wire_id not in run.legs or ev.worker_id != ev.leg.worker_id:
                 return None
-            return await self._apply_outputs(run, leg, outs)
+            return await self._apply_outputs(run, ev)
         if isinstance(ev, WorkerFailed):
             if ev.worker_id in run.worker_ids():
                 await self.placement.migrate(run, ev.worker_id, ev.reason)
@@ -289,13 +296,14 @@ class Router:
                 if not c.finished:
                     c.finished, c.finish_reason = True, "abort"
                     resp.deltas.add(index=c.index, finish_reason=_ABORT)
-            resp.usage.CopyFrom(self._usage(run))
+            resp.usage.CopyFrom(run.usage())
             return resp
         return None
 
     async def _apply_outputs(
-        self, run: RequestRun, leg: Leg, outs: Sequence[dataplane_pb2.SequenceOutput]
+        self, run: RequestRun, ev: Outputs
     ) -> generation_pb2.GenerateResponse | None:
+        leg, outs = ev.leg, ev.outs
         resp = generation_pb2.GenerateResponse(request_id=run.request_id)
         num_tokens = 0
         for out in outs:
@@ -332,24 +340,17 @@ class Router:
             self.placement.close_leg(run, leg)
         if not resp.deltas:
             return None
-        if num_tokens:
-            now = time.perf_counter()
-            if run.first_token_at is None:
-                run.first_token_at = now
-                metrics.TTFT.labels(run.model.model_id).observe(now - run.arrival)
-            elif run.last_token_at is not None:
-                metrics.ITL.labels(run.model.model_id).observe(now - run.last_token_at)
-            run.last_token_at = now
+        if num_tokens:  # per step that gave tokens, as they reached the router
+            for now in ev.arrived:
+                if run.first_token_at is None:
+                    run.first_token_at = now
+                    metrics.TTFT.labels(run.model.model_id).observe(now - run.arrival)
+                elif run.last_token_at is not None:
+                    metrics.ITL.labels(run.model.model_id).observe(now - run.last_token_at)
+                run.last_token_at = now
         if run.done:
-            resp.usage.CopyFrom(self._usage(run))
+            resp.usage.CopyFrom(run.usage())
         return resp
-
-    def _usage(self, run: RequestRun) -> common_pb2.Usage:
-        return common_pb2.Usage(
-            prompt_tokens=len(run.prompt_ids),
-            completion_tokens=run.num_completion_tokens(),
-            cached_prompt_tokens=min(run.num_cached_tokens, len(run.prompt_ids)),
-        )
 
     # -- ending -------------------------------------------------------------------------------
 

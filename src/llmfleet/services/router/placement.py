@@ -25,7 +25,7 @@ import grpc
 from llmfleet.services.router import metrics, spans
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
-from llmfleet.services.router.request import CompletionState, Leg, RequestRun
+from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
 from llmfleet.services.router.routing import Candidate, Policy
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
@@ -155,7 +155,7 @@ class Placement:
         events = run.events
 
         def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
-            events.put_nowait((leg, from_worker, outs))
+            events.put_nowait(Outputs(leg, from_worker, outs, [time.perf_counter()]))
 
         self.replies.register(wire_id, sink)
         return leg

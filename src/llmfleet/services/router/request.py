@@ -8,18 +8,19 @@ after a migration each unfinished completion that already streamed tokens runs a
 its wire id is unregistered from the reply endpoint and outputs from another worker are ignored.
 
 Everything here is owned by the request's own task (the Generate handler), except `events`,
-which the reply endpoint, the failure detector and Abort feed. Output events are `(leg, worker
-id, outputs of one step)`; when the request's stream writes fall behind the engine's steps,
-`next_event` joins the output events already waiting into one, so that one message carries
-several steps' tokens instead of one message per step.
+which the reply endpoint, the failure detector and Abort feed. An `Outputs` event is what one
+worker step gave one leg; when the request's stream writes fall behind the engine's steps,
+`next_event` joins the `Outputs` already waiting into one, so that one message carries several
+steps' tokens instead of one message per step (each step's arrival time is kept for the
+latency metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from opentelemetry.context import Context
 
@@ -27,6 +28,7 @@ from llmfleet.services.router.detok import DetokSequence
 from llmfleet.services.router.replies import merge_outputs
 from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.v1 import common_pb2, dataplane_pb2
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,16 @@ class CompletionState:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""  # "stop" | "length" | "abort" once finished
+
+
+@dataclass(slots=True)
+class Outputs:
+    """Outputs of a leg from its worker's steps (one step, or several joined)."""
+
+    leg: Leg
+    worker_id: str
+    outs: Sequence[dataplane_pb2.SequenceOutput]
+    arrived: list[float]  # perf_counter when each step's outputs reached the router
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,7 @@ class RequestRun:
         """The next event: output events of one leg and worker already waiting are joined."""
         ev = self._carried if self._carried is not None else await self.events.get()
         self._carried = None
-        if isinstance(ev, tuple):
+        if isinstance(ev, Outputs):
             ev, self._carried = take_ready(self.events, ev)
         return ev
 
@@ -123,6 +135,13 @@ class RequestRun:
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
 
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=self.num_completion_tokens(),
+            cached_prompt_tokens=min(self.num_cached_tokens, len(self.prompt_ids)),
+        )
+
     def worker_ids(self) -> set[str]:
         ids = {leg.worker_id for leg in self.legs.values()}
         if self.lease is not None:
@@ -130,17 +149,25 @@ class RequestRun:
         return ids
 
 
-def take_ready(queue: asyncio.Queue[Any], first: Any) -> tuple[Any, Any]:
-    """`first`, an output event taken from `queue`, joined with the output events of the same
-    leg and worker waiting behind it; and the next event that could not be joined (or None),
-    which the caller handles next."""
-    leg, worker_id, outs = first
-    joined: list[Any] | None = None
+def take_ready(queue: asyncio.Queue[object], first: Outputs) -> tuple[Outputs, object | None]:
+    """`first`, taken from `queue`, joined with the `Outputs` of the same leg and worker
+    waiting behind it; and the next event that could not be joined (or None), which the
+    caller handles next."""
+    joined: list[Outputs] = []
     nxt = None
     while not queue.empty():
         nxt = queue.get_nowait()
-        if not (isinstance(nxt, tuple) and nxt[0] is leg and nxt[1] == worker_id):
+        if not (
+            isinstance(nxt, Outputs) and nxt.leg is first.leg and nxt.worker_id == first.worker_id
+        ):
             break
-        joined = [*(joined or outs), *nxt[2]]
+        joined.append(nxt)
         nxt = None
-    return (first if joined is None else (leg, worker_id, merge_outputs(joined))), nxt
+    if not joined:
+        return first, nxt
+    outs = [*first.outs]
+    arrived = [*first.arrived]
+    for ev in joined:
+        outs.extend(ev.outs)
+        arrived.extend(ev.arrived)
+    return Outputs(first.leg, first.worker_id, merge_outputs(outs), arrived), nxt

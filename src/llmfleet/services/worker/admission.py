@@ -20,6 +20,7 @@ which this adds to and never removes from.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from opentelemetry import trace
 
@@ -73,8 +74,15 @@ class Admission:
                 self._routes[request_id] = reply_endpoint
             if kvstore is not None and num_remote is not None and num_remote < len(hashes):
                 kvstore.expect_put(request_id, hashes[num_remote:], rpc_span)
-            self._request_spans.admitted(
-                request_id, rpc_span, len(prompt), params.n, prefill_only=prefill_only
+            loop.post(  # before any step's outputs reach the event loop
+                functools.partial(
+                    self._request_spans.admitted,
+                    request_id,
+                    rpc_span,
+                    len(prompt),
+                    params.n,
+                    prefill_only=prefill_only,
+                )
             )
             return num_cached
 

@@ -20,12 +20,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import torch
 import zmq.asyncio
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.kv_handoff import stage_payload
 from llmfleet.services.worker.kv_transfer import KVReceiver
 from llmfleet.services.worker.lease import LeaseError, LeaseTable
 from llmfleet.services.worker.loop import EngineLoop
@@ -146,9 +146,13 @@ class DecodeSide:
         shape, dtype = engine.kv.block_shape, engine.kv.dtype
         views = [frame_tensor(f, dtype, shape) for f in frames]  # zero-copy, checked sizes
         trace.get_current_span().set_attribute("llmfleet.kv.bytes", sum(len(f) for f in frames))
+        # The host copy runs on a pool thread, beside the engine's steps; the engine thread only
+        # starts the copy to the GPU (asynchronous from pinned memory) and the cache writes.
+        cuda = engine.device.type == "cuda"
+        payload = await asyncio.to_thread(stage_payload, views, pinned=cuda)
 
-        def write() -> None:  # the copy is torch work: on the engine thread
-            engine.kv.write_reserved(lease.lease_id, header.first_block, torch.stack(views))
+        def write() -> None:
+            engine.kv.write_reserved(lease.lease_id, header.first_block, payload)
 
         try:
             await loop.call(write)
@@ -195,7 +199,7 @@ class DecodeSide:
                 routes.pop(rid, None)
                 engine.kv.release_reserved(lease.lease_id)
                 raise
-            self._request_spans.decoding(rid, rpc_span, len(prompt))
+            loop.post(self._request_spans.decoding, rid, rpc_span, len(prompt))
 
         await loop.call(start)
 

@@ -12,12 +12,16 @@ threads than CPUs, libgomp cuts its spin-wait from 300,000 to 1,000 iterations, 
 threads sleep and wake (futex) around nearly every op, which multiplies the inter-token
 latency. One thread for all torch work keeps one team.
 
-Right after each step, still on the engine thread, the step's metrics are recorded and then
-`on_step` gets its outputs, so the worker pushes the new tokens before the event loop even
-wakes. After every iteration that did something (ops applied and/or a step run),
-`on_iteration` gets the same outputs (empty when no step ran) on the event loop, for
-everything else (KV events, spans, prefill waiters, request metrics).
-With no work and no queued op the loop waits on an event (no polling).
+The engine thread loops on its own: while there is work it steps back to back, applying the
+ops queued meanwhile between steps; it never waits for the event loop. Right after each step,
+still on the engine thread, the step's metrics are recorded and `on_step` gets its outputs, so
+the worker pushes the new tokens before the event loop even wakes. After every iteration that
+did something (ops applied and/or a step run), `collect` reads, still on the engine thread,
+what the event loop will need of the engine as it was then (KV events, load, running requests);
+the iteration (outputs, empty when no step ran, and that reading) is queued to `on_iteration`,
+which handles the iterations in order on the event loop (KV events, spans, prefill waiters,
+request metrics) while the next steps run. Event-loop code reads the engine only through ops
+or these readings. With no work and no queued op the thread waits on an event (no polling).
 
 On CPU, a step takes every core; after a step that gave a request its first token the loop
 waits `first_token_yield_s` before the next one, so the router and tokenizer processes that
@@ -45,9 +49,11 @@ from llmfleet.shared.wire.service import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-OnIteration = Callable[[int, list[RequestOutput]], Awaitable[None]]
+OnIteration = Callable[[int, list[RequestOutput], Any], Awaitable[None]]
 OnStep = Callable[[int, list[RequestOutput]], None]
+Collect = Callable[[int, list[RequestOutput]], Any]
 Op = tuple[Callable[[], Any], "asyncio.Future[Any] | None"]
+Iteration = tuple[int, list[RequestOutput], Any]  # step, its outputs, what `collect` returned
 
 
 class EngineThread:
@@ -86,10 +92,14 @@ class EngineLoop:
         *,
         first_token_yield_s: float = 0.0,
         on_step: OnStep | None = None,
+        collect: Collect | None = None,
     ) -> None:
         """`thread`: the worker's EngineThread (it built `engine`; its owner shuts it down).
         `on_step(step, outputs)`: called on the engine thread after each step that produced
         outputs; it must not block (errors are logged, the loop goes on).
+        `collect(step, outputs)`: called on the engine thread after every iteration that did
+        something; what it returns (what `on_iteration` needs to know of the engine as it was
+        then) is passed to `on_iteration(step, outputs, collected)` on the event loop.
         `first_token_yield_s`: after a step that gave a request its first token, start the next
         step this much later, unless requests wait (see WorkerConfig.first_token_yield_ms)."""
         self.engine = engine
@@ -97,22 +107,39 @@ class EngineLoop:
         self.thread = thread
         self._on_iteration = on_iteration
         self._on_step = on_step
-        self._ops: deque[Op] = deque()
-        self._wake = asyncio.Event()
+        self._collect = collect
+        self._ops: deque[Op] = deque()  # appended on the event loop, taken on the engine thread
+        self._applying = False  # the engine thread took ops it has not applied yet
+        self._wake = threading.Event()
+        self._stopping = False
         self._idle = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self.num_steps = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done: asyncio.Future[None] | None = None  # the engine thread's loop
+        self._iterations: asyncio.Queue[Iteration] = asyncio.Queue()
+        self._deliver: asyncio.Task[None] | None = None
+        self.num_steps = 0  # written on the engine thread
         self.step_started_ns = 0  # wall clock (ns) at the start of the latest step (for spans)
         self._metrics = StepMetrics(engine)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._loop = asyncio.get_running_loop()
+        self._deliver = asyncio.create_task(self._deliver_iterations(), name="engine-iterations")
+        self._done = self.thread.submit(self._run)
+        self._done.add_done_callback(self._thread_ended)
 
     async def stop(self) -> None:
-        """Stop looping (a step in flight finishes on its thread; nothing runs after it)."""
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+        """Stop looping (a step in flight finishes on its thread; nothing runs after it), then
+        hand the iterations already done to `on_iteration`."""
+        self._stopping = True
+        self._wake.set()
+        if self._done is not None:
+            await asyncio.wait([self._done], timeout=_STOP_WAIT_S)
+            self._done = None
+        if self._deliver is not None:
+            self._iterations.put_nowait(_END)
+            await asyncio.wait([self._deliver], timeout=_STOP_WAIT_S)
+            await cancel_and_wait(self._deliver)
+            self._deliver = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` between steps and return its result (or raise its error).
@@ -132,6 +159,12 @@ class EngineLoop:
         """Queue `fn` without waiting for it (errors are logged)."""
         self._enqueue(None, fn, args, kwargs)
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From an op, on the engine thread: run `fn(*args)` on the event loop, before the
+        op's caller resumes and before the next step's outputs reach `on_iteration`."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
+
     def _enqueue(
         self, fut: asyncio.Future[Any] | None, fn: Callable[..., Any], args: Any, kwargs: Any
     ) -> None:
@@ -142,7 +175,7 @@ class EngineLoop:
 
     @property
     def idle(self) -> bool:
-        return not self._ops and not self.engine.has_unfinished()
+        return not self._ops and not self._applying and not self.engine.has_unfinished()
 
     async def wait_idle(self) -> None:
         """Wait until no request is unfinished and no op is queued."""
@@ -157,6 +190,7 @@ class EngineLoop:
         if ops:
             results = _apply(ops)
             loop.call_soon_threadsafe(_settle, ops, results)
+        self._applying = False
         if not self.engine.has_unfinished():
             return [], None
         started = time.perf_counter()
@@ -174,45 +208,85 @@ class EngineLoop:
         self._metrics.on_step(seconds, self.engine.last_step_cost)
         if outputs and self._on_step is not None:
             try:
-                self._on_step(self.num_steps + 1, outputs)  # the number `_run` gives this step
+                self._on_step(self.num_steps + 1, outputs)  # the number this step gets
             except Exception:
                 logger.exception("on_step for step %d failed", self.num_steps + 1)
         return outputs, seconds
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            ops = list(self._ops)
-            self._ops.clear()
-            # One hop to the engine thread per iteration. The ops' callers resume as soon as
-            # the ops ran, while the step goes on; were this task cancelled meanwhile, the
-            # thread still finishes the iteration (shielded) and the callers get their results.
-            done = self.thread.submit(self._iterate, ops, loop)
-            done.add_done_callback(functools.partial(_settle_if_failed, ops))
-            outputs, seconds = await asyncio.shield(done)
+    def _run(self) -> None:
+        """The engine thread's loop: steps back to back while there is work, the ops queued
+        meanwhile applied between them; the event loop is only told (never waited for)."""
+        loop = self._loop
+        assert loop is not None
+        engine = self.engine
+        while not self._stopping:
+            self._wake.clear()  # ops queued from here on set it again
+            ops: list[Op] = []
+            if self._ops:
+                self._applying = True
+                while self._ops:
+                    ops.append(self._ops.popleft())
+            outputs, seconds = self._iterate(ops, loop)
             if seconds is not None:
                 self.num_steps += 1
             if ops or seconds is not None:
-                try:
-                    await self._on_iteration(self.num_steps, outputs)
-                except Exception:
-                    logger.exception("handling step %d outputs failed", self.num_steps)
+                collected = None
+                if self._collect is not None:
+                    try:
+                        collected = self._collect(self.num_steps, outputs)
+                    except Exception:
+                        logger.exception("collecting step %d failed", self.num_steps)
+                item = (self.num_steps, outputs, collected)
+                if not _post(loop, self._iterations.put_nowait, item):
+                    return
             if self.first_token_yield_s and _gave_first_token(outputs):
                 # The token is on its way (sent above); leave the cores to the processes
                 # carrying it unless a queued request needs the next step.
-                if self.engine.has_unfinished() and not self.engine.num_waiting:
-                    await asyncio.sleep(self.first_token_yield_s)
-            if not self._ops and not self.engine.has_unfinished():
-                self._idle.set()
-                self._wake.clear()
-                await self._wake.wait()
+                if engine.has_unfinished() and not engine.num_waiting:
+                    self._wake.wait(self.first_token_yield_s)
+            if not self._ops and not engine.has_unfinished():
+                if not _post(loop, self._set_idle):
+                    return
+                self._wake.wait()
+
+    def _set_idle(self) -> None:
+        if self.idle:
+            self._idle.set()
+
+    async def _deliver_iterations(self) -> None:
+        """On the event loop: each iteration's outputs to `on_iteration`, in order."""
+        while True:
+            item = await self._iterations.get()
+            if item is _END:
+                return
+            step, outputs, collected = item
+            try:
+                await self._on_iteration(step, outputs, collected)
+            except Exception:
+                logger.exception("handling step %d outputs failed", step)
+
+    def _thread_ended(self, done: asyncio.Future[None]) -> None:
+        """The engine thread's loop ended: by `stop`, or failing (not an op, not a step):
+        then fail every op still queued."""
+        if done.cancelled() or done.exception() is None:
+            return
+        logger.error("the engine loop failed", exc_info=done.exception())
+        ops = list(self._ops)
+        self._ops.clear()
+        _settle(ops, [(False, done.exception())] * len(ops))
 
 
-def _settle_if_failed(ops: list[Op], done: asyncio.Future[Any]) -> None:
-    """The engine thread itself failed (not an op, not a step): fail the ops' callers."""
-    if done.cancelled() or done.exception() is not None:
-        err = done.exception() if not done.cancelled() else asyncio.CancelledError()
-        _settle(ops, [(False, err)] * len(ops))
+_STOP_WAIT_S = 5.0
+_END: Any = object()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """`fn(*args)` on the event loop; False when the loop is closed (the process is ending)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _settle(ops: list[Op], results: list[tuple[bool, Any]]) -> None:

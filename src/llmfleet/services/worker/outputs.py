@@ -1,5 +1,9 @@
 """Where a worker's step outputs go: `TokenBatch` pushes to reply endpoints, and metrics.
 
+`IterationFacts` is what the event loop learns of the engine after an iteration, read on the
+engine thread right after it (the thread may be steps further when the event loop handles it);
+`WorkerCounters.report` turns it into the load and prefix-cache metrics.
+
 The pushes leave from the engine thread, right after the step that made them (`EngineLoop`'s
 `on_step`), not after a hop to the event loop, which would lie on every first token's way to
 the client. One PUSH socket per distinct reply endpoint, created on first use (linger 0) on a
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import prometheus_client
 import torch
@@ -21,7 +27,9 @@ import zmq.asyncio
 from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.flops import StepCost
 from llmfleet.engine.request import RequestOutput
+from llmfleet.services.worker.request_spans import RunningView, running_views
 from llmfleet.shared.wire.convert import FINISH_TO_PB, logprobs_to_pb
+from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.v1 import dataplane_pb2
 
 logger = logging.getLogger(__name__)
@@ -183,3 +191,62 @@ class ReplySinks:
         for sock in self._socks.values():
             sock.close(linger=0)
         self._socks.clear()
+
+
+@dataclass(frozen=True)
+class IterationFacts:
+    """What the event loop needs of the engine after one iteration (see the module docstring)."""
+
+    started_ns: int  # the step's start, wall clock
+    running: Sequence[RunningView]  # only when tracing follows some request (else empty)
+    stored: list[bytes]  # KV events since the last iteration
+    removed: list[bytes]
+    ended: list[str]  # requests that ended with this step (their routes can go)
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+
+    @classmethod
+    def read(
+        cls, engine: LLMEngine, outputs: list[RequestOutput], started_ns: int, spans: bool
+    ) -> IterationFacts:
+        """On the engine thread; `spans`: tracing follows some request."""
+        stored, removed = engine.kv.drain_events()
+        stats = engine.block_manager.stats
+        ended = [
+            o.request_id for o in outputs if o.finished and not engine.has_request(o.request_id)
+        ]
+        return cls(
+            started_ns=started_ns,
+            running=running_views(engine.scheduler.running) if spans else (),
+            stored=stored,
+            removed=removed,
+            ended=ended,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            kv_usage=engine.block_manager.usage,
+            prefix_queries=stats.num_queries,
+            prefix_hits=stats.num_hits,
+        )
+
+
+@dataclass
+class WorkerCounters:
+    prefix_queries_reported: int = 0  # already added to the Prometheus counters
+    prefix_hits_reported: int = 0
+
+    def report(self, name: str, num_generated: int, facts: IterationFacts) -> None:
+        """On the event loop: the metrics of model `name` after an iteration."""
+        NUM_REQUESTS_RUNNING.labels(name).set(facts.num_running)
+        NUM_REQUESTS_WAITING.labels(name).set(facts.num_waiting)
+        KV_USAGE.labels(name).set(facts.kv_usage)
+        if num_generated:
+            GENERATION_TOKENS.labels(name).inc(num_generated)
+        if facts.prefix_queries > self.prefix_queries_reported:
+            PREFIX_QUERIES.labels(name).inc(facts.prefix_queries - self.prefix_queries_reported)
+            self.prefix_queries_reported = facts.prefix_queries
+        if facts.prefix_hits > self.prefix_hits_reported:
+            PREFIX_HITS.labels(name).inc(facts.prefix_hits - self.prefix_hits_reported)
+            self.prefix_hits_reported = facts.prefix_hits

@@ -2,7 +2,7 @@
 
     spans.admitted(request_id, parent, num_prompt_tokens, num_completions, prefill_only=...)
     spans.decoding(request_id, parent, num_prompt_tokens)  # StartDecode: the KV came by lease
-    spans.on_step(engine.scheduler.running, step_started_ns)  # after each step
+    spans.on_step(running_views(engine.scheduler.running), step_started_ns)  # after each step
     spans.on_output(out, step_started_ns)                     # each output of the step
     spans.stopped(request_id, index)       # Cancel with a stop string (no engine output)
 
@@ -15,8 +15,10 @@
 The spans are children of the RPC span that admitted the request (AddRequest, Prefill or
 StartDecode) and may end after it. Only requests whose admission span records are followed:
 with tracing off the table stays empty and the engine loop pays one truthiness test per step.
-All methods run on the event loop between engine steps (admission inside a loop op), so a
-request is known here before any step can schedule it.
+All methods run on the event loop. Admission ops post `admitted` / `decoding` there
+(`EngineLoop.post`) before any step can schedule the request, and the steps' readings
+(`running_views`, taken on the engine thread) and outputs reach `on_step` / `on_output` after
+that, in step order.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -32,6 +35,24 @@ from opentelemetry.trace import Span
 from llmfleet.engine.request import Request, RequestOutput
 
 tracer = trace.get_tracer(__name__)
+
+
+class RunningView(NamedTuple):
+    """A running sequence's prompt progress, read on the engine thread after a step."""
+
+    request_id: str  # the client's (a completion's parent)
+    index: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+
+
+def running_views(running: Iterable[Request]) -> list[RunningView]:
+    return [
+        RunningView(
+            r.parent_id or r.request_id, r.index, r.num_cached_tokens or 0, r.num_computed_tokens
+        )
+        for r in running
+    ]
 
 
 @dataclass
@@ -83,18 +104,18 @@ class RequestSpans:
         span = tracer.start_span("decode", ctx, attributes=self._attrs())
         self._lives[request_id] = _Life(ctx, span, "decode", num_prompt_tokens, 1, False)
 
-    def on_step(self, running: Iterable[Request], step_started_ns: int) -> None:
+    def on_step(self, running: Iterable[RunningView], step_started_ns: int) -> None:
         """After a step: requests it scheduled for the first time leave the queue, and each
         prompt chunk it computed is an event of the request's `prefill` span."""
         if not self._num_prefilling:
             return
         now = time.time_ns()
         for req in running:
-            life = self._lives.get(req.parent_id or req.request_id)
+            life = self._lives.get(req.request_id)
             if life is None or life.phase == "decode" or req.index != 0:
                 continue
             if life.phase == "queue":
-                self._start_prefill(life, req.num_cached_tokens or 0, step_started_ns)
+                self._start_prefill(life, req.num_cached_tokens, step_started_ns)
             self._chunk(life, req.num_computed_tokens, now)
 
     def on_output(self, out: RequestOutput, step_started_ns: int) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -41,20 +40,13 @@ from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
 from llmfleet.services.worker.loop import EngineLoop, EngineThread
-from llmfleet.services.worker.outputs import (
-    GENERATION_TOKENS,
-    KV_USAGE,
-    PREFIX_HITS,
-    PREFIX_QUERIES,
-    ReplySinks,
-)
+from llmfleet.services.worker.outputs import IterationFacts, ReplySinks, WorkerCounters
 from llmfleet.services.worker.prefill_side import PrefillSide
 from llmfleet.services.worker.registration import Registrar
 from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.wire.convert import ROLE_TO_PB, model_info_to_pb
 from llmfleet.shared.wire.kv_events import KVEventPublisher
-from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.wire.service import FailedPrecondition, Service
 from llmfleet.shared.wire.transport import bind, dtype_name, kv_layout_key
 from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
@@ -62,12 +54,6 @@ from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "llmfleet.v1.Worker"
-
-
-@dataclass
-class WorkerCounters:
-    prefix_queries_reported: int = 0  # already added to the Prometheus counters
-    prefix_hits_reported: int = 0
 
 
 class WorkerRuntime:
@@ -154,7 +140,12 @@ class WorkerRuntime:
         on_cpu = engine.device.type == "cpu" and not engine.simulated
         yield_s = self.wc.first_token_yield_ms / 1e3 if on_cpu else 0.0
         self.loop = EngineLoop(
-            engine, self._on_iteration, thread, first_token_yield_s=yield_s, on_step=self._push
+            engine,
+            self._on_iteration,
+            thread,
+            first_token_yield_s=yield_s,
+            on_step=self._push,
+            collect=self._collect,
         )
         self.loop.start()
         if self.role in ("prefill", "unified"):
@@ -287,48 +278,33 @@ class WorkerRuntime:
         if self.sinks is not None:
             self.sinks.send(step, outputs, self._routes)
 
-    async def _on_iteration(self, step: int, outputs: list[RequestOutput]) -> None:
-        engine = self.engine
-        if engine is None or self.publisher is None:
+    def _collect(self, step: int, outputs: list[RequestOutput]) -> IterationFacts:
+        """On the engine thread, after an iteration (see IterationFacts)."""
+        assert self.engine is not None and self.loop is not None
+        spans = len(self.request_spans) > 0  # tracing follows some requests
+        return IterationFacts.read(self.engine, outputs, self.loop.step_started_ns, spans)
+
+    async def _on_iteration(
+        self, step: int, outputs: list[RequestOutput], facts: IterationFacts | None
+    ) -> None:
+        if facts is None or self.publisher is None:
             return
         num_generated = 0
-        spans = self.request_spans if len(self.request_spans) else None  # tracing follows some
-        started_ns = self.loop.step_started_ns if self.loop is not None else 0
+        spans = self.request_spans if len(self.request_spans) else None
         if spans is not None:
-            spans.on_step(engine.scheduler.running, started_ns)
+            spans.on_step(facts.running, facts.started_ns)
         for out in outputs:
             num_generated += len(out.new_token_ids)
             if spans is not None:
-                spans.on_output(out, started_ns)
+                spans.on_output(out, facts.started_ns)
             if self.kvstore is not None:
                 self.kvstore.on_output(out)
             if self.prefill is not None:
                 self.prefill.take(out)  # a prefill-only request's output (it has no route)
-        # Read everything needed from the engine before the first await (a step may follow).
-        stored, removed = engine.kv.drain_events()
-        done = [o.request_id for o in outputs if o.finished]  # pushed already (_push)
-        self._update_metrics(num_generated)
-        for rid in done:
-            if not engine.has_request(rid):
-                self._routes.pop(rid, None)
-        await self.publisher.publish(stored, removed)
-
-    def _update_metrics(self, num_generated: int) -> None:
-        engine, name, c = self.engine, self.model_name, self.counters
-        if engine is None:
-            return
-        NUM_REQUESTS_RUNNING.labels(name).set(engine.num_running)
-        NUM_REQUESTS_WAITING.labels(name).set(engine.num_waiting)
-        KV_USAGE.labels(name).set(engine.block_manager.usage)
-        if num_generated:
-            GENERATION_TOKENS.labels(name).inc(num_generated)
-        stats = engine.block_manager.stats
-        if stats.num_queries > c.prefix_queries_reported:
-            PREFIX_QUERIES.labels(name).inc(stats.num_queries - c.prefix_queries_reported)
-            c.prefix_queries_reported = stats.num_queries
-        if stats.num_hits > c.prefix_hits_reported:
-            PREFIX_HITS.labels(name).inc(stats.num_hits - c.prefix_hits_reported)
-            c.prefix_hits_reported = stats.num_hits
+        self.counters.report(self.model_name, num_generated, facts)
+        for rid in facts.ended:
+            self._routes.pop(rid, None)
+        await self.publisher.publish(facts.stored, facts.removed)
 
     # ---- access ------------------------------------------------------------------------------
     def _engine_loop(self) -> tuple[LLMEngine, EngineLoop]:

@@ -79,7 +79,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             # Aborts emit a final output, whose delivery drops the route; a stop does not.
             if stop is not None:
                 if found:
-                    self.request_spans.stopped(rid, index)
+                    loop.post(self.request_spans.stopped, rid, index)
                 if not engine.has_request(rid):
                     self._routes.pop(rid, None)
             return found
