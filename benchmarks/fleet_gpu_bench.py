@@ -8,8 +8,9 @@ through the in-process engine and through real fleets on loopback, side by side 
    shards, with a word-level tokenizer that spells every id of the model's vocabulary (so every
    generated token has text, as with a real model) and a chat template.
 2. The requests: `llmfleet bench serve`'s random dataset (--num-prompts prompts of --input-len
-   tokens, --output-len tokens out, ignore_eos, greedy, seed 0), the same token prompts for
-   every path (the OpenAI chat path sends their text).
+   tokens, --output-len tokens out, ignore_eos, greedy), the same token prompts for every path
+   (the OpenAI chat path sends their text); each concurrency level its own prompts (seed =
+   the level's position in --concurrency), so none runs on the prefix cache another filled.
 3. The in-process engine (`LLMEngine`, the workers' engine settings) at each concurrency.
 4. `aggregated`: kvstore, tokenizer, router, gateway and one unified worker; `bench serve` over
    gRPC, then through the OpenAI chat gateway, at each concurrency.
@@ -63,6 +64,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke test)")
     ap.add_argument("--no-openai", action="store_true", help="aggregated: gRPC only")
     ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="the engine's token budget per step, for the engine alone and the workers alike "
+        "(default: the engine's)",
+    )
+    ap.add_argument(
         "--profile-dir",
         type=Path,
         help="record each process (and this one, the bench client) with py-spy during each load",
@@ -111,30 +118,43 @@ def engine_settings(tiny: bool) -> dict[str, Any]:
     return {} if tiny else {"device": "cuda", "dtype": "bfloat16"}
 
 
+def tuned(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings set by flags, for the engine alone and the workers alike."""
+    return (
+        {}
+        if args.max_num_batched_tokens is None
+        else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    )
+
+
+def seed_for(args: argparse.Namespace, concurrency: int) -> int:
+    """Each concurrency level draws its own prompts: run after another level with the same
+    prompts, it would find them in the prefix cache (engine and workers alike) and measure
+    cached prefills."""
+    return args.concurrency.index(concurrency)
+
+
 def workload(args: argparse.Namespace, checkpoint: Path, concurrency: int) -> list[str]:
     return [
         *("--tokenizer", str(checkpoint), "--num-prompts", str(args.num_prompts)),
         *("--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)),
-        *("--max-concurrency", str(concurrency), "--seed", "0"),
+        *("--max-concurrency", str(concurrency), "--seed", str(seed_for(args, concurrency))),
     ]
 
 
 def run_engine(args: argparse.Namespace, checkpoint: Path) -> dict[int, Load]:
-    config = EngineConfig(model=str(checkpoint), **engine_settings(args.tiny))
+    config = EngineConfig(model=str(checkpoint), **engine_settings(args.tiny), **tuned(args))
     loaded = load_for(config)
-    prompts = [
-        r.prompt
-        for r in random_requests(
-            HFTokenizer(loaded.tokenizer, loaded.spec.vocab_size),
-            num_prompts=args.num_prompts,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            seed=0,
-        )
-    ]
+    tokenizer = HFTokenizer(loaded.tokenizer, loaded.spec.vocab_size)
+
+    def draw(num: int, seed: int) -> list[list[int]]:
+        kw = {"input_len": args.input_len, "output_len": args.output_len}
+        return [r.prompt for r in random_requests(tokenizer, num_prompts=num, seed=seed, **kw)]  # type: ignore[misc]
+
+    prompts = {c: draw(args.num_prompts, seed_for(args, c)) for c in args.concurrency}
     engine = LLMEngine(config, loaded)
-    engine_load(engine, prompts[:8], 4, 8)  # warm-up
-    out = {c: engine_load(engine, prompts, args.output_len, c) for c in args.concurrency}  # type: ignore[arg-type]
+    engine_load(engine, draw(8, len(args.concurrency)), 4, 8)  # warm-up: prompts no level sends
+    out = {c: engine_load(engine, prompts[c], args.output_len, c) for c in args.concurrency}  # type: ignore[arg-type]
     del engine, loaded
     gc.collect()
     if torch.cuda.is_available():
@@ -152,6 +172,7 @@ def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str
         model=str(checkpoint),
         device=settings.get("device"),
         dtype=settings.get("dtype"),
+        engine=tuned(args),
         disaggregated=path == "disaggregated",
         gateway=path == "aggregated",
         http_port=0,
@@ -215,6 +236,7 @@ def main() -> None:
         f"\n# the fleet vs the engine alone — {time.strftime('%Y-%m-%d')}, {device}, torch "
         f"{torch.__version__}; {'tiny model' if args.tiny else 'Llama-3-8B shape, bf16'}, "
         f"{args.num_prompts} requests of {args.input_len} + {args.output_len} tokens; "
+        f"engine settings {tuned(args) or 'default'}; "
         f"{time.monotonic() - started:.0f} s in all"
     )
     print(HEADER)

@@ -20,10 +20,21 @@ TTFT = prom.Histogram(
 )
 ITL = prom.Histogram(
     "vllm:inter_token_latency_seconds",
-    "Time between streamed token deltas",
+    "Time between a request's engine steps that gave tokens, as they reached the router",
     ["model_name"],
     buckets=_LATENCY_BUCKETS,
 )
+_itl_children: dict[str, prom.Histogram] = {}
+
+
+def itl(model_name: str) -> prom.Histogram:
+    """ITL's child for `model_name` (observed once per step per request: kept, not looked up)."""
+    child = _itl_children.get(model_name)
+    if child is None:
+        child = _itl_children[model_name] = ITL.labels(model_name)
+    return child
+
+
 E2E = prom.Histogram(
     "vllm:e2e_request_latency_seconds",
     "End-to-end request latency",

@@ -346,7 +346,7 @@ class Router:
                     run.first_token_at = now
                     metrics.TTFT.labels(run.model.model_id).observe(now - run.arrival)
                 elif run.last_token_at is not None:
-                    metrics.ITL.labels(run.model.model_id).observe(now - run.last_token_at)
+                    metrics.itl(run.model.model_id).observe(now - run.last_token_at)
                 run.last_token_at = now
         if run.done:
             resp.usage.CopyFrom(run.usage())
