@@ -6,10 +6,12 @@ import grpc
 import pytest
 from fakes import prompt_hashes
 from harness import Fleet, eventually, letters, read_rest, run, sampling, tokens_of
+from prometheus_client import REGISTRY
 
 from llmfleet.v1 import generation_pb2
 
 PROMPT = "the quick brown fox jumps over"  # 30 bytes: 7 full blocks of 4
+ERRORS = "llmfleet:routing_ttft_prediction_error_seconds_count"
 
 
 def _owner(*workers) -> list[str]:
@@ -144,5 +146,37 @@ def test_migration_gives_up_after_max_retries():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await read_rest(call)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    run(body())
+
+
+def test_predicted_ttft_weighs_reported_queues_and_step_times_against_the_prefix():
+    """The scorer reads each worker's reported queue and measured step times: the prefix
+    holder wins while its queue is short; once it reports a long prompt queue the idle worker
+    wins; and a request routed but not yet answered counts in its worker's queue at once."""
+
+    async def body():
+        async with Fleet(routing_policy="predicted_ttft") as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            for w in (a, b):
+                w.load.step_seconds, w.load.prefill_seconds_per_token = 0.02, 1e-3
+            hashes = prompt_hashes(list(PROMPT.encode()))
+            await b.publish(hashes)
+            await eventually(lambda: fleet.router.kv.index.matched_prefix("b", hashes) == 7)
+            await eventually(lambda: fleet.router.registry.get("a").load.step_seconds == 0.02)
+            errors = REGISTRY.get_sample_value(ERRORS, {"policy": "predicted_ttft"}) or 0.0
+            await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
+            assert _owner(a, b) == ["b"]
+            b.load.num_queued_prompt_tokens = 5000  # 5 s of prompts ahead on b
+            await eventually(
+                lambda: fleet.router.registry.get("b").load.num_queued_prompt_tokens == 5000
+            )
+            await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
+            assert _owner(a, b) == ["a", "b"]
+            placement = fleet.router.placement
+            assert placement._prefilling == {}  # answered: nothing counted as queued
+            # each first token measured the prediction's error
+            assert REGISTRY.get_sample_value(ERRORS, {"policy": "predicted_ttft"}) == errors + 2
 
     run(body())

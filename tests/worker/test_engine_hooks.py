@@ -163,3 +163,26 @@ def test_kv_events_replay_to_the_cache_contents(loaded):
         held.update(stored)
         assert held == set(e.kv.cached_block_hashes())
     assert removed  # the last prompts evicted earlier blocks
+
+
+def test_step_work_and_queued_prompt_tokens_follow_chunked_prefill(loaded):
+    """What the worker reports for routing: each step's (prompt tokens, decoded sequences) for
+    its step-time model, and the prompt tokens still queued, as chunked prefill eats them."""
+    from llmfleet.services.worker.outputs import IterationFacts
+
+    e = new_engine(loaded, max_num_batched_tokens=48)
+    e.add_request("a", prompt(loaded, 100), GREEDY)
+    e.add_request("b", prompt(loaded, 30, seed=1), GREEDY)
+
+    def queued() -> int:
+        return IterationFacts.read(e, [], 0, spans=False).num_queued_prompt_tokens
+
+    assert queued() == 130
+    seen = []
+    while e.has_unfinished():
+        e.step()
+        seen.append((e.last_step_work, queued()))
+    assert sum(work[0] for work, _ in seen) == 130  # every prompt token computed once
+    assert [q for _, q in seen[:3]] == [82, 34, 0]  # 48 tokens a step: a 48, a 48, a 4 + b 30
+    assert seen[2][0] == (34, 0)  # the prompts' last chunks
+    assert seen[-1] == ((0, 2), 0)  # then both decode, one token each a step

@@ -72,6 +72,9 @@ def test_add_request_streams_the_engine_tokens(loaded):
             assert st.load.num_free_blocks == st.load.num_total_blocks == 64
             assert st.load.num_running == st.load.num_waiting == 0
             assert st.prefix_cache_hits >= 12
+            # its own steps measured, for the router's scorer; nothing left to prefill
+            assert st.load.step_seconds > 0 and st.load.prefill_seconds_per_token > 0
+            assert st.load.num_queued_prompt_tokens == 0
         finally:
             replies.close()
             await w.stop()

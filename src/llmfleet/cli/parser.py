@@ -9,6 +9,7 @@ import argparse
 
 from llmfleet.cli.benchserve import args as bench_args
 from llmfleet.cli.generate import ENGINE_FLAGS
+from llmfleet.shared.core.config import ROUTING_POLICIES
 from llmfleet.shared.core.engine_flags import add_engine_flags
 
 _GENERATE_EPILOG = """\
@@ -65,9 +66,7 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization", default=None, choices=["fp8"], help="workers serve FP8 weights (CUDA)"
     )
-    p.add_argument(
-        "--routing-policy", default=None, choices=["round_robin", "least_load", "prefix_aware"]
-    )
+    p.add_argument("--routing-policy", default=None, choices=list(ROUTING_POLICIES))
     p.add_argument("--no-kvstore", action="store_true", help="run without the shared KV store")
     p.add_argument(
         "--no-gateway", action="store_true", help="run without the OpenAI-compatible HTTP gateway"

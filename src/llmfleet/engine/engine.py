@@ -6,14 +6,10 @@
         for out in engine.step():       # RequestOutput diffs: new tokens, finish reason
             ...
 
-`n > 1` fans out into n sequences (ids `rid#0`..; see intake.py, which also holds every check
-a request must pass). The first computes the prompt; the others are admitted once its full
-prompt blocks are in the prefix cache, so they share those blocks and recompute at most the
-last partial block.
+`n > 1` fans out into n sequences (`rid#0`..; intake.py, with every check of a request); the
+others join once the first's full prompt blocks are cached, and share them.
 
-The engine works in token ids; stop strings need text, so the caller that detokenizes (the
-offline `LLM` API, or the tokenizer service in the fleet) calls `stop_request` when one
-matches.
+In token ids: the detokenizing caller (`LLM`, the fleet's router) calls `stop_request`.
 
 Prefill-only requests (`add_request(prefill_only=True)`, for the worker's prefill side) leave
 the engine after their first token (output `finished` with `finish_reason` None unless the
@@ -21,11 +17,11 @@ token ended the sequence) but keep their blocks pinned in `engine.kv` (kv_handof
 the worker reads them, until released there or by `abort`. `start_decode` admits a request
 whose prompt KV was written into a reservation of `engine.kv`.
 
-Block accounting invariant: every path that ends a request, pin or reservation returns its
-blocks: after all of them end, `num_free_blocks` is back at its idle value.
+Invariant: every path that ends a request, pin or reservation returns its blocks.
 
-With `async_scheduling` a decode step may leave its tokens on the device and `step` returns
-them one call later, from the step in flight (`engine.chain`, async_scheduling.py).
+With `async_scheduling` a decode step may leave its tokens on the device; `step` returns them
+one call later (`engine.chain`, async_scheduling.py). `last_step_cost` and `last_step_work`
+describe the latest step (for metrics and the step-time model).
 
 Who mutates what: the scheduler moves requests between its queues (admit, preempt, finish);
 the engine advances `num_computed_tokens` by what each step computed (`engine.chain` for the
@@ -41,7 +37,14 @@ import torch
 
 from llmfleet.engine.async_scheduling import DecodeChain, InFlight
 from llmfleet.engine.block_manager import BlockManager
-from llmfleet.engine.flops import ModelShape, StepBatch, StepCost, estimate_step_cost, model_shape
+from llmfleet.engine.flops import (
+    ModelShape,
+    StepBatch,
+    StepCost,
+    estimate_step_cost,
+    model_shape,
+    step_work,
+)
 from llmfleet.engine.forward_pass import forward_pass, load_for
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
@@ -114,6 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.last_step_cost = StepCost()  # of the latest step (zero: it ran no batch)
+        self.last_step_work = (0, 0)  # (prompt tokens, decoded sequences) of the latest step
         self.limits = SamplingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)
         self.intake = RequestIntake(
             self.spec,
@@ -276,6 +280,7 @@ class LLMEngine:
             chained = self.chain.launch(inflight, waiting=self.num_waiting > 0)
             if chained is not None:
                 self._inflight, self.last_step_cost = chained
+                self.last_step_work = (0, len(self._inflight.requests))
             outputs += self._append_tokens(inflight.requests, inflight.read())
             if self._inflight is not None:
                 for req in self._inflight.requests:  # their newest token is known now
@@ -283,13 +288,14 @@ class LLMEngine:
                 return outputs
         sched = self.scheduler.schedule()
         if not sched:
-            self.last_step_cost = StepCost()
+            self.last_step_cost, self.last_step_work = StepCost(), (0, 0)
             return outputs
         step = self.runner.execute(sched)  # on a GPU: queued, still running
         # Host work from here to the sampler overlaps the device's (the batch is read before
         # the bookkeeping below advances the requests).
         if self.model_shape is not None:
             self.last_step_cost = estimate_step_cost(self.model_shape, StepBatch.of(sched))
+        self.last_step_work = step_work(sched)
         # Bookkeeping that needs no sampled token runs while the device computes.
         for s in sched.scheduled:
             req = s.request

@@ -128,6 +128,16 @@ class StepBatch:
         )
 
 
+def step_work(sched: SchedulerOutput) -> tuple[int, int]:
+    """(prompt tokens computed, sequences decoded) by a step, read before it advances them."""
+    prompt = [
+        s.num_new_tokens
+        for s in sched.scheduled
+        if s.request.num_computed_tokens < s.request.num_prompt_tokens
+    ]
+    return sum(prompt), len(sched.scheduled) - len(prompt)
+
+
 @dataclass(frozen=True)
 class StepCost:
     flops: int = 0

@@ -48,6 +48,13 @@ QUEUE_TIME = prom.Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 ROUTING = prom.Counter("llmfleet:routing_decisions", "Routing decisions", ["policy", "outcome"])
+PREDICTION_ERROR = prom.Histogram(
+    "llmfleet:routing_ttft_prediction_error_seconds",
+    "|first token's arrival - routing time - predicted TTFT| of requests a predicting policy "
+    "routed",
+    ["policy"],
+    buckets=_LATENCY_BUCKETS,
+)
 MIGRATIONS = prom.Counter("llmfleet:migrations", "Requests re-submitted after a worker failure")
 LEASES = prom.Counter(
     "llmfleet:lease_outcomes", "KV lease outcomes, as the router sees them", ["outcome"]

@@ -2,7 +2,6 @@
 
     router = Router(config, ctx, tokenizer_stub)       # owns registry, KV index, reply endpoint
     async for response in router.generate(request_pb):    # GenerateResponse messages
-        ...
 
 Per request (docs/fleet.md): validate → tokenize → check against the model → route → submit
 (aggregated: `AddRequest`; disaggregated: `ReserveKV` → `Prefill` → first token → `StartDecode`)
@@ -12,8 +11,8 @@ it holds the request re-submits what it held (prompt + tokens already streamed) 
 `max_retries` times. Whatever way a request ends, `_finish` cancels what still runs on workers
 and releases an open lease.
 
-Routing, legs, retries and migration live in placement.py; the disaggregated lease handoff in
-handoff.py. This module owns the request's life and its stream.
+Routing, legs, retries and migration: placement.py; the lease handoff: handoff.py; here, the
+request's life and its stream.
 """
 
 from __future__ import annotations
@@ -345,6 +344,7 @@ class Router:
                 if run.first_token_at is None:
                     run.first_token_at = now
                     metrics.TTFT.labels(run.model.model_id).observe(now - run.arrival)
+                    self.placement.prediction_met(run, now)
                 elif run.last_token_at is not None:
                     metrics.itl(run.model.model_id).observe(now - run.last_token_at)
                 run.last_token_at = now

@@ -85,6 +85,8 @@ class Placement:
         self.policy = policy
         self._on_broken = on_broken
         self._inflight: dict[str, int] = {}  # worker id -> legs the router placed there
+        # worker id -> prompt tokens of the legs placed there that have no output yet
+        self._prefilling: dict[str, int] = {}
         self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
 
     @property
@@ -99,12 +101,24 @@ class Placement:
             if w.worker_id in run.excluded:
                 continue
             prefix = self.kv.index.matched_prefix(w.worker_id, hashes) if use_prefix else 0
+            load = w.load
+            measured = {}
+            if load.step_seconds > 0:
+                measured["step_s"] = load.step_seconds
+            if load.prefill_seconds_per_token > 0:
+                measured["prefill_s_per_token"] = load.prefill_seconds_per_token
             out.append(
                 Candidate(
                     w.worker_id,
-                    max(w.load.num_requests, self._inflight.get(w.worker_id, 0)),
-                    w.load.num_free_blocks,
+                    max(load.num_requests, self._inflight.get(w.worker_id, 0)),
+                    load.num_free_blocks,
                     prefix,
+                    num_total_blocks=load.num_total_blocks,
+                    # what it reported, or what this router sent it since, if more
+                    queued_prompt_tokens=max(
+                        load.num_queued_prompt_tokens, self._prefilling.get(w.worker_id, 0)
+                    ),
+                    **measured,  # type: ignore[arg-type]
                 )
             )
         return out
@@ -126,14 +140,8 @@ class Placement:
             cands = self.candidates(run, role, hashes, policy.needs_prefix)
             if not cands:
                 raise Unavailable(f"no live {role} worker for request {run.request_id}")
-            decision = policy.choose(cands, run.model.block_size)
-            spans.set_route(
-                span,
-                decision.policy,
-                decision.outcome,
-                decision.worker_id,
-                decision.matched_prefix_tokens,
-            )
+            decision = policy.choose(cands, run.model.block_size, len(prompt_ids))
+            spans.set_route(span, decision)
         metrics.ROUTING.labels(decision.policy, decision.outcome).inc()
         logger.debug(
             "request %s -> %s (%s, %s, prefix %d tokens)",
@@ -143,18 +151,28 @@ class Placement:
             decision.outcome,
             decision.matched_prefix_tokens,
         )
+        run.routed_prefix_tokens = decision.matched_prefix_tokens
+        if decision.predicted_ttft_s is not None and run.first_token_at is None:
+            run.predicted_ttft = (decision.policy, time.perf_counter(), decision.predicted_ttft_s)
         return decision.worker_id
 
-    def new_leg(self, run: RequestRun, worker_id: str, indices: tuple[int, ...]) -> Leg:
+    def new_leg(
+        self, run: RequestRun, worker_id: str, indices: tuple[int, ...], prefill_tokens: int = 0
+    ) -> Leg:
+        """A leg on `worker_id`, which is to compute `prefill_tokens` prompt tokens for it
+        (counted in that worker's queue for routing until the leg's first output)."""
         wire_id = run.next_wire_id()
         run.num_legs += 1
         run.used(worker_id)
-        leg = Leg(wire_id, worker_id, indices)
+        leg = Leg(wire_id, worker_id, indices, prefill_tokens=max(0, prefill_tokens))
         run.legs[wire_id] = leg
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+        self._prefilling[worker_id] = self._prefilling.get(worker_id, 0) + leg.prefill_tokens
         events = run.events
 
         def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
+            if leg.prefill_tokens:
+                self._prefilled(leg)
             events.put_nowait(Outputs(leg, from_worker, outs, [time.perf_counter()]))
 
         self.replies.register(wire_id, sink)
@@ -174,7 +192,25 @@ class Placement:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout_s)
 
+    def prediction_met(self, run: RequestRun, first_token_at: float) -> None:
+        """The first token arrived: how far the routing policy's TTFT prediction was off."""
+        if run.predicted_ttft is not None:
+            policy, routed_at, predicted = run.predicted_ttft
+            error = abs(first_token_at - routed_at - predicted)
+            metrics.PREDICTION_ERROR.labels(policy).observe(error)
+
+    def _prefilled(self, leg: Leg) -> None:
+        """`leg`'s prompt left its worker's queue (first output, or the leg closed)."""
+        left = self._prefilling.get(leg.worker_id, 0) - leg.prefill_tokens
+        leg.prefill_tokens = 0
+        if left > 0:
+            self._prefilling[leg.worker_id] = left
+        else:
+            self._prefilling.pop(leg.worker_id, None)
+
     def close_leg(self, run: RequestRun, leg: Leg) -> None:
+        if leg.prefill_tokens:
+            self._prefilled(leg)
         if run.legs.pop(leg.wire_id, None) is None:
             return
         self.freed(leg.worker_id)
@@ -211,7 +247,7 @@ class Placement:
         while True:
             worker_id = self.route(run, role, prompt_ids)
             stub = self.pool.stub(worker_id)
-            leg = self.new_leg(run, worker_id, indices)
+            leg = self.new_leg(run, worker_id, indices, len(prompt_ids) - run.routed_prefix_tokens)
             try:
                 if stub is None:
                     raise Unavailable(f"worker {worker_id} is not connected")

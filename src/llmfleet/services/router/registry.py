@@ -30,6 +30,9 @@ class Load:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_active_leases: int = 0
+    num_queued_prompt_tokens: int = 0
+    step_seconds: float = 0.0  # measured by the worker; 0: not yet
+    prefill_seconds_per_token: float = 0.0
 
     @property
     def num_requests(self) -> int:

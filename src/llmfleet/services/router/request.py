@@ -49,6 +49,7 @@ class Leg:
     worker_id: str
     indices: tuple[int, ...]
     open_indices: set[int] = field(default_factory=set)  # wire indices the worker still runs
+    prefill_tokens: int = 0  # prompt tokens it still counts in its worker's queue (placement)
 
     def __post_init__(self) -> None:
         self.open_indices = set(range(len(self.indices)))
@@ -110,6 +111,8 @@ class RequestRun:
     aborted: bool = False
     trace: Context = field(default_factory=Context)  # its `llm_request` span (spans.py)
     workers_used: list[str] = field(default_factory=list)  # every worker it ran on, in order
+    routed_prefix_tokens: int = 0  # cached prefix the latest routing decision counted on
+    predicted_ttft: tuple[str, float, float] | None = None  # policy, routed at, predicted s
     _carried: object | None = None  # taken from `events` by next_event, not handled yet
 
     async def next_event(self) -> object:

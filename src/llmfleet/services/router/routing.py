@@ -9,6 +9,23 @@ and asks a policy to choose. Every choice comes with a `RouteDecision` for metri
 - `PrefixAware`: the longest cached prefix wins unless that worker's load exceeds the least
   loaded worker's by more than `load_threshold` sequences; equal prefixes go to the lower load.
   A worker whose KV view is being resynced reports a prefix of 0 (never a stale score).
+- `PredictedTTFT`: the worker with the least predicted time to first token (below), ties
+  (within `TIE_FRACTION`) to the least loaded. No thresholds: its coefficients are each
+  worker's own measured step times (`StepTimeModel`, in the worker's load reports).
+
+Predicted TTFT on a worker, for a prompt of N tokens of which the worker caches `local` and
+the kvstore holds `store` more (fetched instead of computed):
+
+    compute = N - local - store                       (at least the last token)
+    ttft    = step_s                                  (the step that finishes the prompt)
+            + (queued + compute) * prefill_s_per_token   (prompt tokens ahead of it, and its own)
+            + store * fetch_s_per_token
+            + pressure
+
+where `queued` is the prompt tokens admitted there and not yet computed, and `pressure`, when
+the prompt needs more blocks than are free, is the deficit's share of the cache times
+`PRESSURE_HORIZON_STEPS` steps: the wait for running requests to free memory (or be
+preempted, which costs their recomputation).
 """
 
 from __future__ import annotations
@@ -17,12 +34,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from llmfleet.shared.core.step_model import DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S
+
 # Decision outcomes (label values of llmfleet:routing_decisions_total).
 OUTCOME_ROTATED = "rotated"
 OUTCOME_LEAST_LOAD = "least_load"
 OUTCOME_PREFIX_HIT = "prefix_hit"
 OUTCOME_NO_PREFIX = "no_prefix"
 OUTCOME_LOAD_FALLBACK = "load_fallback"
+OUTCOME_PREDICTED = "predicted"
+
+# A fetch from the kvstore moves KV bytes instead of computing them: until measured, a tenth
+# of the prefill prior per token.
+DEFAULT_FETCH_S_PER_TOKEN = DEFAULT_PREFILL_S_PER_TOKEN / 10
+TIE_FRACTION = 0.05  # predictions this close to the best are ties (broken by load)
+PRESSURE_HORIZON_STEPS = 256  # steps for running requests to free a whole cache
 
 
 @dataclass(frozen=True)
@@ -31,6 +57,13 @@ class Candidate:
     num_requests: int  # running + waiting sequences
     num_free_blocks: int = 0
     prefix_blocks: int = 0  # request's cached prefix on this worker, in blocks
+    # For PredictedTTFT (the others ignore them):
+    num_total_blocks: int = 0  # 0: unknown (no pressure term)
+    queued_prompt_tokens: int = 0  # admitted there, not computed yet
+    store_blocks: int = 0  # request's prefix the kvstore holds, in blocks (any worker fetches)
+    step_s: float = DEFAULT_STEP_S
+    prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
+    fetch_s_per_token: float = DEFAULT_FETCH_S_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -39,14 +72,18 @@ class RouteDecision:
     worker_id: str
     matched_prefix_tokens: int
     outcome: str
+    predicted_ttft_s: float | None = None  # PredictedTTFT's prediction for the winner
+    predictions: tuple[tuple[str, float], ...] = ()  # (worker id, predicted TTFT s) each
 
 
 class Policy(Protocol):
     name: str
     needs_prefix: bool
 
-    def choose(self, candidates: Sequence[Candidate], block_size: int) -> RouteDecision:
-        """Pick one of `candidates` (non-empty)."""
+    def choose(
+        self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
+    ) -> RouteDecision:
+        """Pick one of `candidates` (non-empty) for a prompt of `num_prompt_tokens`."""
         ...
 
 
@@ -66,7 +103,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def choose(self, candidates: Sequence[Candidate], block_size: int) -> RouteDecision:
+    def choose(
+        self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
+    ) -> RouteDecision:
         _require(candidates)
         ordered = sorted(candidates, key=lambda c: c.worker_id)
         pick = ordered[0]
@@ -82,7 +121,9 @@ class LeastLoad:
     name = "least_load"
     needs_prefix = False
 
-    def choose(self, candidates: Sequence[Candidate], block_size: int) -> RouteDecision:
+    def choose(
+        self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
+    ) -> RouteDecision:
         _require(candidates)
         pick = min(candidates, key=_load_key)
         return RouteDecision(
@@ -99,7 +140,9 @@ class PrefixAware:
             raise ValueError("load_threshold must be >= 0")
         self.load_threshold = load_threshold
 
-    def choose(self, candidates: Sequence[Candidate], block_size: int) -> RouteDecision:
+    def choose(
+        self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
+    ) -> RouteDecision:
         _require(candidates)
         least = min(candidates, key=_load_key)
         best = min(candidates, key=lambda c: (-c.prefix_blocks, *_load_key(c)))
@@ -112,6 +155,47 @@ class PrefixAware:
         return RouteDecision(self.name, pick.worker_id, pick.prefix_blocks * block_size, outcome)
 
 
+class PredictedTTFT:
+    name = "predicted_ttft"
+    needs_prefix = True
+
+    def choose(
+        self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
+    ) -> RouteDecision:
+        _require(candidates)
+        scored = [(predict_ttft(c, block_size, num_prompt_tokens), c) for c in candidates]
+        best = min(t for t, _ in scored)
+        ties = [c for t, c in scored if t <= best * (1 + TIE_FRACTION)]
+        pick = min(ties, key=_load_key)
+        ttft = next(t for t, c in scored if c is pick)
+        return RouteDecision(
+            self.name,
+            pick.worker_id,
+            pick.prefix_blocks * block_size,
+            OUTCOME_PREDICTED,
+            ttft,
+            tuple((c.worker_id, t) for t, c in scored),
+        )
+
+
+def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
+    """Seconds to the first token of a prompt of `num_prompt_tokens` on `c` (module docstring)."""
+    n = max(1, num_prompt_tokens)
+    local = min(n, c.prefix_blocks * block_size)
+    store = max(0, min(n, c.store_blocks * block_size) - local)
+    compute = max(1, n - local - store)
+    ttft = (
+        c.step_s
+        + (c.queued_prompt_tokens + compute) * c.prefill_s_per_token
+        + store * c.fetch_s_per_token
+    )
+    needed = -(-n // block_size) - min(c.prefix_blocks, -(-n // block_size))
+    if c.num_total_blocks > 0 and needed > c.num_free_blocks:
+        deficit = (needed - c.num_free_blocks) / c.num_total_blocks
+        ttft += deficit * PRESSURE_HORIZON_STEPS * c.step_s
+    return ttft
+
+
 def make_policy(name: str, prefix_load_threshold: int = 4) -> Policy:
     if name == RoundRobin.name:
         return RoundRobin()
@@ -119,4 +203,6 @@ def make_policy(name: str, prefix_load_threshold: int = 4) -> Policy:
         return LeastLoad()
     if name == PrefixAware.name:
         return PrefixAware(prefix_load_threshold)
+    if name == PredictedTTFT.name:
+        return PredictedTTFT()
     raise ValueError(f"unknown routing policy {name!r}")

@@ -65,6 +65,9 @@ def load_from_pb(pb: common_pb2.LoadReport) -> Load:
         num_free_blocks=pb.num_free_blocks,
         num_total_blocks=pb.num_total_blocks,
         num_active_leases=pb.num_active_leases,
+        num_queued_prompt_tokens=pb.num_queued_prompt_tokens,
+        step_seconds=pb.step_seconds,
+        prefill_seconds_per_token=pb.prefill_seconds_per_token,
     )
 
 
@@ -75,6 +78,9 @@ def load_to_pb(load: Load) -> common_pb2.LoadReport:
         num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks,
         num_active_leases=load.num_active_leases,
+        num_queued_prompt_tokens=load.num_queued_prompt_tokens,
+        step_seconds=load.step_seconds,
+        prefill_seconds_per_token=load.prefill_seconds_per_token,
     )
 
 

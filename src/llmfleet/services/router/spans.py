@@ -18,6 +18,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from llmfleet.services.router.request import RequestRun
+from llmfleet.services.router.routing import RouteDecision
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 tracer = trace.get_tracer("llmfleet.services.router")
@@ -76,15 +77,23 @@ def end_request(span: Span, run: RequestRun | None, error: BaseException | None)
     span.end()
 
 
-def set_route(
-    span: Span, policy: str, outcome: str, worker_id: str, matched_prefix_tokens: int
-) -> None:
-    if span.is_recording():
-        span.set_attributes(
-            {
-                "llmfleet.routing.policy": policy,
-                "llmfleet.routing.outcome": outcome,
-                "llmfleet.worker_id": worker_id,
-                "llmfleet.routing.matched_prefix_tokens": matched_prefix_tokens,
-            }
-        )
+def set_route(span: Span, decision: RouteDecision) -> None:
+    """The decision on its `route` span: policy, outcome, winner, the prefix it counted on, and
+    for a predicting policy each candidate's predicted TTFT (parallel lists) and the winner's."""
+    if not span.is_recording():
+        return
+    span.set_attributes(
+        {
+            "llmfleet.routing.policy": decision.policy,
+            "llmfleet.routing.outcome": decision.outcome,
+            "llmfleet.worker_id": decision.worker_id,
+            "llmfleet.routing.matched_prefix_tokens": decision.matched_prefix_tokens,
+        }
+    )
+    if decision.predicted_ttft_s is not None:
+        span.set_attribute("llmfleet.routing.predicted_ttft_ms", decision.predicted_ttft_s * 1e3)
+    if decision.predictions:
+        workers = [w for w, _ in decision.predictions]
+        span.set_attribute("llmfleet.routing.candidates", workers)
+        predicted = [t * 1e3 for _, t in decision.predictions]
+        span.set_attribute("llmfleet.routing.candidates_predicted_ttft_ms", predicted)

@@ -120,6 +120,7 @@ class EngineLoop:
         self.num_steps = 0  # written on the engine thread
         self.step_started_ns = 0  # wall clock (ns) at the start of the latest step (for spans)
         self._metrics = StepMetrics(engine)
+        self.step_model = self._metrics.step_model  # updated on the engine thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -205,7 +206,7 @@ class EngineLoop:
         seconds = time.perf_counter() - started
         # Recorded before the tokens leave, so a client that saw a step's tokens also finds
         # the step in the metrics (and the engine's counters are read on their own thread).
-        self._metrics.on_step(seconds, self.engine.last_step_cost)
+        self._metrics.on_step(seconds, self.engine.last_step_cost, self.engine.last_step_work)
         if outputs and self._on_step is not None:
             try:
                 self._on_step(self.num_steps + 1, outputs)  # the number this step gets

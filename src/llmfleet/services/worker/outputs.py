@@ -28,6 +28,7 @@ from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.flops import StepCost
 from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.request_spans import RunningView, running_views
+from llmfleet.shared.core.step_model import StepTimeModel
 from llmfleet.shared.wire.convert import FINISH_TO_PB, logprobs_to_pb
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.v1 import dataplane_pb2
@@ -119,9 +120,12 @@ class StepMetrics:
         self._chained = CHAINED_STEPS.labels(name)
         self._chain = engine.chain
         self._chained_seen = engine.chain.num_chained_steps
+        self.step_model = StepTimeModel()  # what the router's scorer predicts with
 
-    def on_step(self, seconds: float, cost: StepCost) -> None:
+    def on_step(self, seconds: float, cost: StepCost, work: tuple[int, int] = (0, 0)) -> None:
+        """`work`: (prompt tokens, decoded sequences) of the step (engine.last_step_work)."""
         self._seconds.observe(seconds)
+        self.step_model.observe(seconds, prefill_tokens=work[0], decode_seqs=work[1])
         preempted = self._scheduler.num_preemptions_total - self._preemptions_seen
         if preempted:
             self._preemptions.inc(preempted)
@@ -204,6 +208,7 @@ class IterationFacts:
     ended: list[str]  # requests that ended with this step (their routes can go)
     num_running: int
     num_waiting: int
+    num_queued_prompt_tokens: int  # admitted, not computed yet
     kv_usage: float
     prefix_queries: int
     prefix_hits: int
@@ -226,6 +231,11 @@ class IterationFacts:
             ended=ended,
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
+            num_queued_prompt_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                for queue in (engine.scheduler.waiting, engine.scheduler.running)
+                for r in queue
+            ),
             kv_usage=engine.block_manager.usage,
             prefix_queries=stats.num_queries,
             prefix_hits=stats.num_hits,

@@ -82,6 +82,7 @@ class WorkerRuntime:
         self.loop: EngineLoop | None = None
         self.engine_thread = EngineThread()
         self.counters = WorkerCounters()
+        self._facts: IterationFacts | None = None
         self.kv_endpoint = ""
         self.kv_events_endpoint = ""
         self._ctx = zmq.asyncio.Context()
@@ -289,6 +290,7 @@ class WorkerRuntime:
     ) -> None:
         if facts is None or self.publisher is None:
             return
+        self._facts = facts  # the latest, for load reports
         num_generated = 0
         spans = self.request_spans if len(self.request_spans) else None
         if spans is not None:
@@ -323,13 +325,20 @@ class WorkerRuntime:
         engine = self.engine
         if engine is None:
             return common_pb2.LoadReport()
-        return common_pb2.LoadReport(
+        report = common_pb2.LoadReport(
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
             num_free_blocks=engine.num_free_blocks,
             num_total_blocks=engine.block_manager.num_blocks,
             num_active_leases=len(self.decode.leases) if self.decode is not None else 0,
+            num_queued_prompt_tokens=self._facts.num_queued_prompt_tokens if self._facts else 0,
         )
+        model = self.loop.step_model if self.loop is not None else None
+        if model is not None and model.num_decode_steps:  # measured, not the prior
+            report.step_seconds = model.step_s
+        if model is not None and model.num_prefill_steps:
+            report.prefill_seconds_per_token = model.prefill_s_per_token
+        return report
 
     def _register_request(self) -> registry_pb2.RegisterWorkerRequest:
         engine = self.engine

@@ -134,7 +134,7 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
-ROUTING_POLICIES = ("round_robin", "least_load", "prefix_aware")
+ROUTING_POLICIES = ("round_robin", "least_load", "prefix_aware", "predicted_ttft")
 WORKER_ROLES = ("unified", "prefill", "decode")
 
 

@@ -1,0 +1,80 @@
+"""The predicted-TTFT routing scorer and the step-time model that feeds it (pure Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmfleet.services.router.routing import (
+    OUTCOME_PREDICTED,
+    Candidate,
+    PredictedTTFT,
+    make_policy,
+    predict_ttft,
+)
+from llmfleet.shared.core.step_model import StepTimeModel
+
+BS = 16
+
+
+def cand(wid: str, **kw: object) -> Candidate:
+    base = {"num_requests": 0, "num_free_blocks": 1000, "num_total_blocks": 1000}
+    base.update(kw)
+    return Candidate(wid, step_s=0.02, prefill_s_per_token=1e-4, fetch_s_per_token=1e-5, **base)  # type: ignore[arg-type]
+
+
+def test_prediction_adds_queue_compute_fetch_and_pressure():
+    # 1024-token prompt, 32 blocks cached locally, 16 more in the kvstore, 100 tokens queued.
+    c = cand("w", prefix_blocks=32, store_blocks=48, queued_prompt_tokens=100)
+    assert predict_ttft(c, BS, 1024) == pytest.approx(0.02 + (100 + 256) * 1e-4 + 256 * 1e-5)
+    # Short of memory: the missing blocks' share of the cache, times 256 steps.
+    tight = cand("w", num_free_blocks=40, num_total_blocks=100)
+    assert predict_ttft(tight, BS, 1024) == pytest.approx(
+        0.02 + 1024 * 1e-4 + (64 - 40) / 100 * 256 * 0.02
+    )
+    # A fully cached prompt still computes its last token.
+    assert predict_ttft(cand("w", prefix_blocks=64), BS, 1024) == pytest.approx(0.02 + 1e-4)
+
+
+def test_the_idle_worker_that_fetches_from_the_kvstore_beats_the_busy_one_holding_the_prefix():
+    busy = cand("a", prefix_blocks=60, num_requests=12, queued_prompt_tokens=6000)
+    idle = cand("b", store_blocks=60, num_requests=0)
+    decision = PredictedTTFT().choose([busy, idle], BS, 1000)
+    assert decision.worker_id == "b" and decision.outcome == OUTCOME_PREDICTED
+    assert decision.predicted_ttft_s == pytest.approx(predict_ttft(idle, BS, 1000))
+    # Without the kvstore the idle worker recomputes the prompt, and still wins here...
+    assert PredictedTTFT().choose([busy, cand("b")], BS, 1000).worker_id == "b"
+    # ...but not against a short queue: then the cached prefix is worth the wait.
+    short = cand("a", prefix_blocks=60, num_requests=2, queued_prompt_tokens=200)
+    assert PredictedTTFT().choose([short, cand("b")], BS, 1000).worker_id == "a"
+
+
+def test_ties_spread_to_the_least_loaded():
+    same = [cand(w, num_requests=n) for w, n in (("a", 5), ("b", 1), ("c", 3))]
+    assert PredictedTTFT().choose(same, BS, 100).worker_id == "b"
+    # Different coefficients: the faster worker wins though it is busier.
+    fast = Candidate("f", 4, 1000, 0, 1000, 0, 0, 0.01, 5e-5)
+    slow = Candidate("s", 0, 1000, 0, 1000, 0, 0, 0.04, 2e-4)
+    assert PredictedTTFT().choose([slow, fast], BS, 2000).worker_id == "f"
+    assert make_policy("predicted_ttft").name == "predicted_ttft"
+    with pytest.raises(ValueError):
+        PredictedTTFT().choose([], BS, 10)
+
+
+def test_step_model_learns_step_and_prefill_cost_and_follows_drift():
+    m = StepTimeModel(step_s=1.0, prefill_s_per_token=1.0)  # priors far off
+    for _ in range(50):
+        m.observe(0.010, prefill_tokens=0, decode_seqs=32)
+        m.observe(0.010 + 2048 * 5e-5, prefill_tokens=2048, decode_seqs=32)
+    assert m.step_s == pytest.approx(0.010, rel=1e-3)
+    assert m.prefill_s_per_token == pytest.approx(5e-5, rel=1e-2)
+    assert m.predict(1000) == pytest.approx(0.010 + 1000 * 5e-5, rel=1e-2)
+    for _ in range(60):  # the GPU gets busier: decode steps double
+        m.observe(0.020, prefill_tokens=0, decode_seqs=32)
+    assert m.step_s == pytest.approx(0.020, rel=0.01)
+    before = (m.step_s, m.num_decode_steps, m.num_prefill_steps)
+    m.observe(0.5, prefill_tokens=0, decode_seqs=0)  # an empty step teaches nothing
+    assert (m.step_s, m.num_decode_steps, m.num_prefill_steps) == before
+    with pytest.raises(ValueError):
+        m.observe(-1.0, prefill_tokens=0, decode_seqs=1)
+    with pytest.raises(ValueError):
+        StepTimeModel(weight=0)
