@@ -97,6 +97,10 @@ def test_aggregated_fleet_starts_in_order_wires_addresses_and_stops_in_reverse(t
     assert _flag(worker, "--kvstore") == fleet.kvstore_address
     kv = _argv(events, "kvstore")
     assert _flag(worker, "--kvstore-endpoint") == f"tcp://127.0.0.1:{_flag(kv, '--data-port')}"
+    # the router watches the store too, for routing
+    assert _flag(router, "--kvstore") == fleet.kvstore_address
+    events_endpoint = f"tcp://127.0.0.1:{_flag(kv, '--events-port')}"
+    assert _flag(router, "--kvstore-events") == _flag(worker, "--kvstore-events") == events_endpoint
     metrics = [int(_flag(_argv(events, n), "--metrics-port")) for n in names]
     assert len(set(metrics)) == len(names) and all(m > 0 for m in metrics)
 
@@ -117,6 +121,7 @@ def test_disaggregated_fleet_without_kvstore(tmp_path):
         assert fleet.kvstore_address is None
         events = _events(tmp_path)
     assert _flag(_argv(events, "router"), "--mode") == "disaggregated"
+    assert "--kvstore" not in _argv(events, "router")
     decode = _argv(events, "decode-1")
     assert _flag(decode, "--role") == "decode" and "--kvstore" not in decode
     assert "kvstore" not in [e["name"] for e in events]

@@ -285,3 +285,35 @@ def test_failed_start_releases_everything() -> None:
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_the_routers_store_view_follows_the_snapshot_then_the_puts() -> None:
+    """The router's view of the store (services/router/store_view.py): the prefix it holds,
+    from its snapshot at subscription and its events after, as the routing scorer reads it."""
+    from llmfleet.services.router.store_view import StoreView
+
+    async def body(server: KVStoreServer, client: KVStoreClient) -> None:
+        hashes = [h(i) for i in range(6)]
+        await client.put(LAYOUT, hashes[:2], [tensor_frame(block(i)) for i in range(2)])
+        ctx = zmq.asyncio.Context()
+        view = StoreView(ctx, server.address, server.events_endpoint)
+        view.start()
+        try:
+
+            async def until(n: int) -> None:
+                for _ in range(500):
+                    if view.matched_prefix(hashes) == n:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"the view holds {view.matched_prefix(hashes)}, not {n}")
+
+            await until(2)  # from the snapshot
+            more = [tensor_frame(block(i)) for i in range(2, 5)]
+            await client.put(LAYOUT, hashes[2:5], more)
+            await until(5)  # from the events
+            assert view.matched_prefix([h(99), *hashes]) == 0
+        finally:
+            await view.close()
+            ctx.destroy(linger=0)
+
+    run(body)

@@ -78,3 +78,20 @@ def test_step_model_learns_step_and_prefill_cost_and_follows_drift():
         m.observe(-1.0, prefill_tokens=0, decode_seqs=1)
     with pytest.raises(ValueError):
         StepTimeModel(weight=0)
+
+
+def test_router_flags_for_the_policy_and_the_store_view():
+    from llmfleet.services.router.__main__ import SERVICE
+    from llmfleet.shared.core.config import RouterConfig
+    from llmfleet.shared.core.errors import ValidationError
+
+    argv = ["--routing-policy", "predicted_ttft", "--kvstore", "127.0.0.1:1"]
+    cfg = SERVICE.parse([*argv, "--kvstore-events", "tcp://127.0.0.1:2"])[0]
+    assert (cfg.routing_policy, cfg.kvstore_address, cfg.kvstore_events_endpoint) == (
+        "predicted_ttft",
+        "127.0.0.1:1",
+        "tcp://127.0.0.1:2",
+    )
+    with pytest.raises(ValidationError) as err:
+        RouterConfig(kvstore_address="127.0.0.1:1")  # a view needs the events too
+    assert err.value.field == "kvstore_events_endpoint"

@@ -137,6 +137,9 @@ def test_worker_b_finds_the_prompt_worker_a_put_in_the_kvstore(loaded):
             st = await stats(b)
             assert st.kvstore_blocks_fetched == 5
             assert st.kvstore_blocks_stored == 0  # the kvstore had every full block already
+            # the fetch was timed, for the router's scorer; a never fetched nothing
+            assert st.load.fetch_seconds_per_token > 0
+            assert (await stats(a)).load.fetch_seconds_per_token == 0
         finally:
             await _stop(ctx, replies, kv, a, b)
 

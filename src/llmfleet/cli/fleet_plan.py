@@ -210,6 +210,8 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
 
     sched_args = ["--tokenizer", f"{h}:{tokenizer_port}"]
     sched_args += ["--mode", "disaggregated" if spec.disaggregated else "aggregated"]
+    if spec.kvstore:  # the router's view of the store, for routing (what a fetch can bring)
+        sched_args += [kv_args[0], kv_args[1], kv_args[4], kv_args[5]]
     if spec.routing_policy is not None:
         sched_args += ["--routing-policy", spec.routing_policy]
     router = make("router", "router", public, sched_args)

@@ -31,6 +31,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="disaggregated: KV handoffs in flight per prefill worker (default 8)",
     )
     p.add_argument("--max-queued-requests", type=int, default=None)
+    p.add_argument(
+        "--kvstore", dest="kvstore_address", default=None, help="the kvstore's HOST:PORT"
+    )
+    p.add_argument(
+        "--kvstore-events",
+        dest="kvstore_events_endpoint",
+        default=None,
+        help="the kvstore's KV-event endpoint (with --kvstore: routing sees what it holds)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 

@@ -27,6 +27,7 @@ from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerR
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
 from llmfleet.services.router.routing import Candidate, Policy
+from llmfleet.services.router.store_view import StoreView
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import RouterConfig
@@ -87,6 +88,7 @@ class Placement:
         self._inflight: dict[str, int] = {}  # worker id -> legs the router placed there
         # worker id -> prompt tokens of the legs placed there that have no output yet
         self._prefilling: dict[str, int] = {}
+        self.store: StoreView | None = None  # what the kvstore holds (server.py sets it)
         self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
 
     @property
@@ -97,6 +99,7 @@ class Placement:
         self, run: RequestRun, role: str, hashes: Sequence[bytes], use_prefix: bool
     ) -> list[Candidate]:
         out = []
+        store = self.store.matched_prefix(hashes) if use_prefix and self.store else 0
         for w in self.registry.live(role):
             if w.worker_id in run.excluded:
                 continue
@@ -107,6 +110,8 @@ class Placement:
                 measured["step_s"] = load.step_seconds
             if load.prefill_seconds_per_token > 0:
                 measured["prefill_s_per_token"] = load.prefill_seconds_per_token
+            if load.fetch_seconds_per_token > 0:
+                measured["fetch_s_per_token"] = load.fetch_seconds_per_token
             out.append(
                 Candidate(
                     w.worker_id,
@@ -114,6 +119,7 @@ class Placement:
                     load.num_free_blocks,
                     prefix,
                     num_total_blocks=load.num_total_blocks,
+                    store_blocks=store,
                     # what it reported, or what this router sent it since, if more
                     queued_prompt_tokens=max(
                         load.num_queued_prompt_tokens, self._prefilling.get(w.worker_id, 0)

@@ -33,6 +33,7 @@ class Load:
     num_queued_prompt_tokens: int = 0
     step_seconds: float = 0.0  # measured by the worker; 0: not yet
     prefill_seconds_per_token: float = 0.0
+    fetch_seconds_per_token: float = 0.0
 
     @property
     def num_requests(self) -> int:

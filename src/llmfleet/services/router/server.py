@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmfleet.services.router.orchestrator import Router
 from llmfleet.services.router.registry import ROLES, Load
+from llmfleet.services.router.store_view import StoreView
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.wire.convert import (
@@ -68,6 +69,7 @@ def load_from_pb(pb: common_pb2.LoadReport) -> Load:
         num_queued_prompt_tokens=pb.num_queued_prompt_tokens,
         step_seconds=pb.step_seconds,
         prefill_seconds_per_token=pb.prefill_seconds_per_token,
+        fetch_seconds_per_token=pb.fetch_seconds_per_token,
     )
 
 
@@ -81,6 +83,7 @@ def load_to_pb(load: Load) -> common_pb2.LoadReport:
         num_queued_prompt_tokens=load.num_queued_prompt_tokens,
         step_seconds=load.step_seconds,
         prefill_seconds_per_token=load.prefill_seconds_per_token,
+        fetch_seconds_per_token=load.fetch_seconds_per_token,
     )
 
 
@@ -200,6 +203,12 @@ class RouterServer:
         self._ctx = zmq.asyncio.Context()
         self._tok_channel = grpc.aio.insecure_channel(config.tokenizer_address)
         self.router = Router(config, self._ctx, tokenizer_pb2_grpc.TokenizerStub(self._tok_channel))
+        self.store_view: StoreView | None = None
+        if config.kvstore_address and config.kvstore_events_endpoint:
+            self.store_view = StoreView(
+                self._ctx, config.kvstore_address, config.kvstore_events_endpoint
+            )
+            self.router.placement.store = self.store_view
         self._health_stub = health_pb2_grpc.HealthStub(self._tok_channel)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.router), self.service.server
@@ -216,6 +225,8 @@ class RouterServer:
 
     async def start(self) -> None:
         self.router.start()
+        if self.store_view is not None:
+            self.store_view.start()
         await self.service.start([GENERATION, REGISTRY])
         self._loops = [asyncio.create_task(self._liveness_loop())]
         logger.info(
@@ -250,6 +261,8 @@ class RouterServer:
 
     async def _close(self) -> None:
         await self.router.close()
+        if self.store_view is not None:
+            await self.store_view.close()
         await self._tok_channel.close()
         self._ctx.term()
 

@@ -31,13 +31,14 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 
-import torch
 import zmq.asyncio
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.kv_handoff import stage_payload
 from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.loop import EngineLoop
@@ -84,6 +85,8 @@ class KVStoreSync:
         self._block_bytes = math.prod(shape) * dtype.itemsize
         self.num_blocks_dropped = 0  # blocks of puts dropped over the byte budget
         self.num_blocks_fetched = 0
+        self.num_fetches = 0
+        self.fetch_s_per_token = 0.0  # measured (num_fetches > 0)
         self.num_blocks_stored = 0
         self.num_lookups_skipped = 0
 
@@ -128,19 +131,33 @@ class KVStoreSync:
             num_local = await local
             if num_remote <= num_local:
                 return num_remote
+            started = time.perf_counter()
             frames = await self.client.get(self._layout_key, hashes[:num_remote])
             if frames:
                 shape, dtype = engine.kv.block_shape, engine.kv.dtype
                 views = [frame_tensor(f, dtype, shape) for f in frames]
                 got = hashes[: len(frames)]
-                imported = await self._loop.call(  # torch runs on the engine thread
-                    lambda: engine.kv.import_cached_blocks(got, torch.stack(views))
+                # The host copy on a pool thread; the engine thread only starts the copy in.
+                cuda = engine.device.type == "cuda"
+                payload = await asyncio.to_thread(stage_payload, views, pinned=cuda)
+                imported = await self._loop.call(
+                    lambda: engine.kv.import_cached_blocks(got, payload)
                 )
                 self.num_blocks_fetched += imported
+                tokens = len(frames) * shape[2]
+                self._fetched(time.perf_counter() - started, tokens)
             return len(frames)
         except (LLMFleetError, MalformedFrame) as e:
             logger.warning("kvstore unavailable for a prefix fetch: %s", e)
             return None
+
+    def _fetched(self, seconds: float, tokens: int) -> None:
+        """A fetch of `tokens` tokens' KV took `seconds` (get + import): the moving average
+        the worker reports for routing (`LoadReport.fetch_seconds_per_token`)."""
+        per_token = seconds / tokens
+        self.num_fetches += 1
+        w = max(0.1, 1.0 / self.num_fetches)
+        self.fetch_s_per_token += w * (per_token - self.fetch_s_per_token)
 
     def expect_put(
         self, request_id: str, hashes: list[bytes], parent: Span = trace.INVALID_SPAN

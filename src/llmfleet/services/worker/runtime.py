@@ -338,6 +338,8 @@ class WorkerRuntime:
             report.step_seconds = model.step_s
         if model is not None and model.num_prefill_steps:
             report.prefill_seconds_per_token = model.prefill_s_per_token
+        if self.kvstore is not None and self.kvstore.num_fetches:
+            report.fetch_seconds_per_token = self.kvstore.fetch_s_per_token
         return report
 
     def _register_request(self) -> registry_pb2.RegisterWorkerRequest:

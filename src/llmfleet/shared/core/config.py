@@ -169,8 +169,16 @@ class RouterConfig:
     # wait their turn in the router, so decode KV is not held by leases a queue has not reached.
     max_prefills_per_worker: int = 8
     max_queued_requests: int = 1024  # beyond: RESOURCE_EXHAUSTED
+    # The kvstore's gRPC address and KV-event endpoint: with both, the router keeps a view of
+    # what the store holds, and routing counts a prefix there as fetched, not recomputed.
+    kvstore_address: str | None = None
+    kvstore_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.kvstore_address is None) != (self.kvstore_events_endpoint is None):
+            raise ValidationError(
+                "kvstore_events_endpoint", "kvstore_address and kvstore_events_endpoint go together"
+            )
         if self.mode not in ("aggregated", "disaggregated"):
             raise ValidationError("mode", f"must be aggregated or disaggregated, got {self.mode}")
         if self.routing_policy not in ROUTING_POLICIES:
