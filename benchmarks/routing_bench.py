@@ -1,16 +1,16 @@
-"""Prefix-aware routing vs round robin: TTFT on the prefix-repetition dataset, one run.
+"""Routing policies side by side: TTFT on the prefix-repetition dataset, one run.
 
     make bench-serve        # this program (also part of `make bench`)
     .venv/bin/python benchmarks/routing_bench.py [--num-prompts 32] [--repeats 2] [--kvstore]
+        [--policies predicted_ttft prefix_aware round_robin]
 
-It starts two fleets of two unified workers each on this machine (the bundled SmolLM2 unless
---model), one routing prefix_aware and one round_robin, and runs `llmfleet bench serve` over
-gRPC with prefix-repetition prompts against each. Run i (of --repeats) sends the same prompts
-(seed + i: fresh prefixes every run) with the same arrival schedule to both fleets, one after
-the other, in alternating order (prefix_aware first in even runs, round_robin first in odd
-runs), so a slow drift in the load of a shared machine weighs on both policies alike. It
-prints each run's report, then both policies' TTFT over all runs side by side with the
-round-robin / prefix-aware ratio.
+It starts one fleet of two unified workers per policy on this machine (the bundled SmolLM2
+unless --model) and runs `llmfleet bench serve` over gRPC with prefix-repetition prompts
+against each. Run i (of --repeats) sends the same prompts (seed + i: fresh prefixes every run)
+with the same arrival schedule to every fleet, one after the other, the order rotating from
+run to run, so a slow drift in the load of a shared machine weighs on every policy alike. It
+prints each run's report, then the policies' TTFT over all runs side by side with round
+robin's figure divided by each.
 
 What makes the policies differ: a prompt whose prefix is cached on the worker it lands on is
 prefilled from its suffix alone. Prefix-aware routing sends prompts sharing a prefix to the
@@ -35,7 +35,7 @@ from llmfleet.cli.fleet_plan import FleetSpec
 from llmfleet.cli.launcher import Fleet
 from llmfleet.cli.parser import build_parser
 
-POLICIES = ("prefix_aware", "round_robin")
+POLICIES = ("predicted_ttft", "prefix_aware", "round_robin")
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--kvstore", action="store_true", help="run with the shared KV store")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), help="round_robin included")
     ap.add_argument("--result-dir", default=None, help="also save each run's JSON and plots")
     return ap.parse_args()
 
@@ -97,15 +98,17 @@ def bench_argv(args: argparse.Namespace, endpoint: str, policy: str, run: int) -
 
 def main() -> None:
     args = parse_args()
+    policies = list(dict.fromkeys([*args.policies, "round_robin"]))  # the baseline, once
     started = time.monotonic()
-    records: dict[str, list[RequestRecord]] = {p: [] for p in POLICIES}
-    seconds = dict.fromkeys(POLICIES, 0.0)
+    records: dict[str, list[RequestRecord]] = {p: [] for p in policies}
+    seconds = dict.fromkeys(policies, 0.0)
     with ExitStack() as stack:
-        fleets = {p: Fleet(fleet_spec(args, p)) for p in POLICIES}
+        fleets = {p: Fleet(fleet_spec(args, p)) for p in policies}
         for fleet in fleets.values():
             stack.enter_context(fleet)
         for run in range(args.repeats):
-            for policy in POLICIES if run % 2 == 0 else POLICIES[::-1]:
+            shift = run % len(policies)
+            for policy in policies[shift:] + policies[:shift]:
                 print(f"\n## run {run}, routing policy {policy}", flush=True)
                 argv = bench_argv(args, fleets[policy].endpoint, policy, run)
                 outcome = serve(build_parser().parse_args(argv))
@@ -113,14 +116,13 @@ def main() -> None:
                     raise SystemExit(f"{policy}: {outcome.metrics.failed} requests failed")
                 records[policy] += outcome.records
                 seconds[policy] += outcome.metrics.duration_s
-    totals = {p: compute_metrics(records[p], seconds[p], [99.0]) for p in POLICIES}
+    totals = {p: compute_metrics(records[p], seconds[p], [99.0]) for p in policies}
     print_table(args, totals, time.monotonic() - started)
 
 
 def print_table(
     args: argparse.Namespace, totals: dict[str, BenchmarkMetrics], elapsed_s: float
 ) -> None:
-    pa, rr = (totals[p] for p in POLICIES)
     print(
         f"\n# llmfleet routing bench — {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
         f"{os.cpu_count()} cores; per policy a fleet of 2 unified workers "
@@ -130,21 +132,28 @@ def print_table(
         f"{args.suffix_len}-token suffixes, {args.output_len} output tokens), max concurrency "
         f"{args.max_concurrency}, request rate {args.request_rate:g}; {elapsed_s:.0f} s in all"
     )
-    print("| metric | prefix_aware | round_robin | round_robin / prefix_aware |")
-    print("|---|---|---|---|")
-    ttft_pa, ttft_rr = pa.distributions["ttft"], rr.distributions["ttft"]
-    rows = [
-        ("mean TTFT (ms)", ttft_pa.mean, ttft_rr.mean),
-        ("median TTFT (ms)", ttft_pa.median, ttft_rr.median),
-        ("P99 TTFT (ms)", ttft_pa.percentiles[99.0], ttft_rr.percentiles[99.0]),
-        ("mean E2EL (ms)", pa.distributions["e2el"].mean, rr.distributions["e2el"].mean),
-        ("output tok/s", pa.output_throughput, rr.output_throughput),
-    ]
-    for name, a, b in rows:
-        ratio = f"{b / a:.2f}x" if a > 0 else "—"
-        print(f"| {name} | {a:.1f} | {b:.1f} | {ratio} |")
-    cached = [m.total_cached_tokens / max(m.total_input_tokens, 1) for m in (pa, rr)]
-    print(f"| prompt tokens found in a prefix cache | {cached[0]:.0%} | {cached[1]:.0%} | |")
+    names = list(totals)
+    others = [p for p in names if p != "round_robin"]
+    print(f"| metric | {' | '.join(names)} | {' | '.join(f'round_robin / {p}' for p in others)} |")
+    print("|---" * (1 + len(names) + len(others)) + "|")
+    rr = totals["round_robin"]
+
+    def figures(m: BenchmarkMetrics) -> list[float]:
+        ttft = m.distributions["ttft"]
+        e2el = m.distributions["e2el"]
+        return [ttft.mean, ttft.median, ttft.percentiles[99.0], e2el.mean, m.output_throughput]
+
+    labels = ["mean TTFT (ms)", "median TTFT (ms)", "P99 TTFT (ms)", "mean E2EL (ms)"]
+    labels.append("output tok/s")
+    table = {p: figures(m) for p, m in totals.items()}
+    base = figures(rr)
+    for i, label in enumerate(labels):
+        cells = [f"{table[p][i]:.1f}" for p in names]
+        ratios = [f"{base[i] / table[p][i]:.2f}x" if table[p][i] > 0 else "—" for p in others]
+        print(f"| {label} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    cached = [m.total_cached_tokens / max(m.total_input_tokens, 1) for m in totals.values()]
+    shares = " | ".join(f"{c:.0%}" for c in cached)
+    print(f"| prompt tokens found in a prefix cache | {shares} |{' |' * len(others)}")
 
 
 if __name__ == "__main__":
