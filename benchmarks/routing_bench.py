@@ -9,8 +9,9 @@ unless --model) and runs `llmfleet bench serve` over gRPC with prefix-repetition
 against each. Run i (of --repeats) sends the same prompts (seed + i: fresh prefixes every run)
 with the same arrival schedule to every fleet, one after the other, the order rotating from
 run to run, so a slow drift in the load of a shared machine weighs on every policy alike. It
-prints each run's report, then the policies' TTFT over all runs side by side with round
-robin's figure divided by each.
+prints each run's report, then the policies' TTFT over all runs side by side with how each
+compares to round robin (round robin's time / the policy's, the policy's throughput / round
+robin's: above 1x, better).
 
 What makes the policies differ: a prompt whose prefix is cached on the worker it lands on is
 prefilled from its suffix alone. Prefix-aware routing sends prompts sharing a prefix to the
@@ -134,7 +135,8 @@ def print_table(
     )
     names = list(totals)
     others = [p for p in names if p != "round_robin"]
-    print(f"| metric | {' | '.join(names)} | {' | '.join(f'round_robin / {p}' for p in others)} |")
+    heads = " | ".join(f"{p} vs round_robin" for p in others)
+    print(f"| metric | {' | '.join(names)} | {heads} |")
     print("|---" * (1 + len(names) + len(others)) + "|")
     rr = totals["round_robin"]
 
@@ -149,7 +151,11 @@ def print_table(
     base = figures(rr)
     for i, label in enumerate(labels):
         cells = [f"{table[p][i]:.1f}" for p in names]
-        ratios = [f"{base[i] / table[p][i]:.2f}x" if table[p][i] > 0 else "—" for p in others]
+        # times and throughput alike: above 1x, the policy does better than round robin
+        better = [base[i] / table[p][i] if table[p][i] > 0 else 0.0 for p in others]
+        if label == "output tok/s":
+            better = [table[p][i] / base[i] if base[i] > 0 else 0.0 for p in others]
+        ratios = [f"{r:.2f}x" for r in better]
         print(f"| {label} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     cached = [m.total_cached_tokens / max(m.total_input_tokens, 1) for m in totals.values()]
     shares = " | ".join(f"{c:.0%}" for c in cached)

@@ -95,3 +95,22 @@ def test_router_flags_for_the_policy_and_the_store_view():
     with pytest.raises(ValidationError) as err:
         RouterConfig(kvstore_address="127.0.0.1:1")  # a view needs the events too
     assert err.value.field == "kvstore_events_endpoint"
+
+
+def test_step_model_learns_the_cost_of_each_decoded_sequence():
+    """A CPU's decode step grows with its batch: the regression finds base and slope, and a
+    prefill step is charged only what it took beyond the decode part."""
+    m = StepTimeModel()
+    for i in range(200):
+        seqs = 1 + i % 8
+        m.observe(0.005 + 0.003 * seqs, prefill_tokens=0, decode_seqs=seqs)
+    assert m.step_s == pytest.approx(0.005, rel=0.05)
+    assert m.step_s_per_seq == pytest.approx(0.003, rel=0.05)
+    for _ in range(30):
+        m.observe(0.005 + 0.003 * 4 + 100 * 1e-3, prefill_tokens=100, decode_seqs=4)
+    assert m.prefill_s_per_token == pytest.approx(1e-3, rel=0.05)
+    assert m.predict(50, 2) == pytest.approx(0.005 + 0.006 + 0.05, rel=0.05)
+    # The busier of two otherwise equal workers now predicts later.
+    busy = cand("busy", num_requests=6, step_s_per_seq=0.003)
+    idle = cand("idle", num_requests=0, step_s_per_seq=0.003)
+    assert predict_ttft(busy, BS, 64) - predict_ttft(idle, BS, 64) == pytest.approx(6 * 0.003)

@@ -108,6 +108,7 @@ class Placement:
             measured = {}
             if load.step_seconds > 0:
                 measured["step_s"] = load.step_seconds
+                measured["step_s_per_seq"] = load.step_seconds_per_seq
             if load.prefill_seconds_per_token > 0:
                 measured["prefill_s_per_token"] = load.prefill_seconds_per_token
             if load.fetch_seconds_per_token > 0:

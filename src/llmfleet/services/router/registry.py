@@ -34,6 +34,7 @@ class Load:
     step_seconds: float = 0.0  # measured by the worker; 0: not yet
     prefill_seconds_per_token: float = 0.0
     fetch_seconds_per_token: float = 0.0
+    step_seconds_per_seq: float = 0.0
 
     @property
     def num_requests(self) -> int:

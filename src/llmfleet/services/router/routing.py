@@ -17,7 +17,8 @@ Predicted TTFT on a worker, for a prompt of N tokens of which the worker caches 
 the kvstore holds `store` more (fetched instead of computed):
 
     compute = N - local - store                       (at least the last token)
-    ttft    = step_s                                  (the step that finishes the prompt)
+    ttft    = step_s + (requests + 1) * step_s_per_seq   (the step that finishes the prompt,
+                                                      beside the batch it joins)
             + (queued + compute) * prefill_s_per_token   (prompt tokens ahead of it, and its own)
             + store * fetch_s_per_token
             + pressure
@@ -64,6 +65,7 @@ class Candidate:
     step_s: float = DEFAULT_STEP_S
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
     fetch_s_per_token: float = DEFAULT_FETCH_S_PER_TOKEN
+    step_s_per_seq: float = 0.0  # what each sequence in its batch adds to a step
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float
     compute = max(1, n - local - store)
     ttft = (
         c.step_s
+        + (c.num_requests + 1) * c.step_s_per_seq
         + (c.queued_prompt_tokens + compute) * c.prefill_s_per_token
         + store * c.fetch_s_per_token
     )

@@ -70,6 +70,7 @@ def load_from_pb(pb: common_pb2.LoadReport) -> Load:
         step_seconds=pb.step_seconds,
         prefill_seconds_per_token=pb.prefill_seconds_per_token,
         fetch_seconds_per_token=pb.fetch_seconds_per_token,
+        step_seconds_per_seq=pb.step_seconds_per_seq,
     )
 
 
@@ -84,6 +85,7 @@ def load_to_pb(load: Load) -> common_pb2.LoadReport:
         step_seconds=load.step_seconds,
         prefill_seconds_per_token=load.prefill_seconds_per_token,
         fetch_seconds_per_token=load.fetch_seconds_per_token,
+        step_seconds_per_seq=load.step_seconds_per_seq,
     )
 
 

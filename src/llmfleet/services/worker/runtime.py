@@ -336,6 +336,7 @@ class WorkerRuntime:
         model = self.loop.step_model if self.loop is not None else None
         if model is not None and model.num_decode_steps:  # measured, not the prior
             report.step_seconds = model.step_s
+            report.step_seconds_per_seq = model.step_s_per_seq
         if model is not None and model.num_prefill_steps:
             report.prefill_seconds_per_token = model.prefill_s_per_token
         if self.kvstore is not None and self.kvstore.num_fetches:

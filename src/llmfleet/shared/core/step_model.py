@@ -1,16 +1,17 @@
 """A worker's step time, learned from its own steps: what a step costs with no prompt tokens in
-it, and what each prompt token adds.
+it (a base and a cost per decoded sequence), and what each prompt token adds.
 
     model = StepTimeModel()
     model.observe(seconds, prefill_tokens=512, decode_seqs=40)   # after every engine step
-    model.step_s, model.prefill_s_per_token                       # the current estimates
+    model.predict(prefill_tokens=0, decode_seqs=64)               # seconds, as of now
 
-A step's time is modelled as `step_s + prefill_tokens * prefill_s_per_token`: decode-only steps
-(no prompt tokens) move `step_s`; steps with prompt tokens move `prefill_s_per_token` by what
-they took beyond the current `step_s`. Both are exponentially weighted, so the estimates follow
-drift (a longer context, a busier GPU) within a few dozen steps. Until a step of a kind has been
-seen its estimate is the prior given at construction. Pure Python: the router's routing scorer
-reads these figures from the workers' load reports.
+A step's time is modelled as `step_s + decode_seqs * step_s_per_seq + prefill_tokens *
+prefill_s_per_token`. Decode-only steps fit the first two (a linear regression on exponentially
+weighted moments, so a GPU's flat step and a CPU's batch-proportional one are both learned);
+steps with prompt tokens move `prefill_s_per_token` by what they took beyond the decode part.
+All follow drift (a longer context, a busier device) within a few dozen steps. Until a step of
+a kind has been seen its estimate is the prior given at construction. Pure Python: the router's
+routing scorer reads these figures from the workers' load reports.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ DEFAULT_PREFILL_S_PER_TOKEN = 1e-4
 
 @dataclass
 class StepTimeModel:
-    step_s: float = DEFAULT_STEP_S
+    step_s: float = DEFAULT_STEP_S  # a decode step's base
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
+    step_s_per_seq: float = 0.0  # what each decoded sequence adds
     weight: float = 0.1  # of each new observation in the moving averages
     num_decode_steps: int = 0
     num_prefill_steps: int = 0
+    _moments: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # E[x], E[y], E[xx], E[xy]
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
@@ -44,20 +47,38 @@ class StepTimeModel:
         if prefill_tokens == 0:
             if decode_seqs == 0:
                 return
-            self.step_s = self._mix(self.step_s, seconds, self.num_decode_steps)
-            self.num_decode_steps += 1
+            self._fit(float(decode_seqs), seconds)
             return
         # Before any decode-only step, the whole step is put on its prompt tokens.
-        base = self.step_s if self.num_decode_steps else 0.0
+        base = self.predict(0, decode_seqs) if self.num_decode_steps else 0.0
         per_token = max(0.0, seconds - base) / prefill_tokens
         self.prefill_s_per_token = self._mix(
             self.prefill_s_per_token, per_token, self.num_prefill_steps
         )
         self.num_prefill_steps += 1
 
-    def predict(self, prefill_tokens: int) -> float:
-        """Seconds of one step computing `prefill_tokens` prompt tokens beside the decodes."""
-        return self.step_s + prefill_tokens * self.prefill_s_per_token
+    def predict(self, prefill_tokens: int, decode_seqs: int = 0) -> float:
+        """Seconds of one step computing `prefill_tokens` prompt tokens beside `decode_seqs`
+        decoded sequences."""
+        return (
+            self.step_s
+            + decode_seqs * self.step_s_per_seq
+            + prefill_tokens * self.prefill_s_per_token
+        )
+
+    def _fit(self, x: float, y: float) -> None:
+        """One decode-only step (x sequences, y seconds) into the weighted regression."""
+        seen = self.num_decode_steps
+        mx, my, mxx, mxy = (
+            self._mix(m, v, seen) for m, v in zip(self._moments, (x, y, x * x, x * y), strict=True)
+        )
+        self._moments = (mx, my, mxx, mxy)
+        self.num_decode_steps += 1
+        var = mxx - mx * mx
+        if var > 0.25:  # batch sizes vary enough to tell the slope (else keep the last one)
+            slope = (mxy - mx * my) / var
+            self.step_s_per_seq = min(max(0.0, slope), my / mx if mx > 0 else 0.0)
+        self.step_s = max(0.0, my - self.step_s_per_seq * mx)
 
     def _mix(self, old: float, new: float, seen: int) -> float:
         # The first observations count more (a plain mean up to 1 / weight of them), so the
