@@ -56,7 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fleet_bench.py
 	$(BIN)/python benchmarks/routing_bench.py
 
-# Prefix-aware routing vs round robin (two fleets of two workers, one after the other):
+# Routing policies side by side (a fleet of two workers per policy, loaded one after the other):
 # `llmfleet bench serve` on the prefix-repetition dataset, TTFT side by side.
 bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/routing_bench.py
