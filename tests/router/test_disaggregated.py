@@ -79,3 +79,27 @@ def test_cancel_during_decode_cancels_on_decode_worker():
             assert d.requests("Cancel")[0].request_id == "dc"
 
     run(body())
+
+
+def test_predicted_ttft_sends_the_decode_to_the_worker_whose_step_stays_short():
+    """With the predicting policy the decode worker is scored too: the one whose measured
+    per-sequence cost makes its next step shorter wins over a less loaded but slower one."""
+
+    async def body():
+        async with Fleet(
+            mode="disaggregated", short_prompt_threshold=16, routing_policy="predicted_ttft"
+        ) as fleet:
+            slow = await fleet.add_worker("d-slow", "decode")
+            fast = await fleet.add_worker("d-fast", "decode")
+            await fleet.add_worker("p", "prefill")
+            slow.load.num_running, slow.load.step_seconds = 0, 0.05
+            slow.load.step_seconds_per_seq = 0.01
+            fast.load.num_running, fast.load.step_seconds = 3, 0.01
+            fast.load.step_seconds_per_seq = 0.001
+            await eventually(lambda: fleet.router.registry.get("d-fast").load.num_running == 3)
+            await eventually(lambda: fleet.router.registry.get("d-slow").load.step_seconds == 0.05)
+            _, text = await fleet.generate(text=LONG, sampling=sampling(max_tokens=3))
+            assert text == letters(len(LONG), 3)
+            assert fast.names() == ["ReserveKV", "StartDecode"] and slow.names() == []
+
+    run(body())

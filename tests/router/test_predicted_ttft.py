@@ -114,3 +114,19 @@ def test_step_model_learns_the_cost_of_each_decoded_sequence():
     busy = cand("busy", num_requests=6, step_s_per_seq=0.003)
     idle = cand("idle", num_requests=0, step_s_per_seq=0.003)
     assert predict_ttft(busy, BS, 64) - predict_ttft(idle, BS, 64) == pytest.approx(6 * 0.003)
+
+
+def test_decode_headroom_picks_the_faster_batch_with_room_for_the_prompt():
+    from llmfleet.services.router.routing import DecodeHeadroom, predict_decode_step
+
+    busy = cand("busy", num_requests=40, step_s_per_seq=1e-3)
+    light = cand("light", num_requests=4, step_s_per_seq=1e-3)
+    assert DecodeHeadroom().choose([busy, light], BS, 512).worker_id == "light"
+    # The lighter batch lacks room for the prompt's 32 blocks: waiting for memory costs more.
+    full = cand("light", num_requests=4, step_s_per_seq=1e-3, num_free_blocks=8)
+    assert predict_decode_step(full, BS, 512) == pytest.approx(
+        0.02 + 5e-3 + (32 - 8) / 1000 * 256 * 0.02
+    )
+    assert DecodeHeadroom().choose([busy, full], BS, 512).worker_id == "busy"
+    same = [cand("a", num_requests=3), cand("b", num_requests=1)]
+    assert DecodeHeadroom().choose(same, BS, 64).worker_id == "b"  # a tie: the lighter

@@ -40,7 +40,7 @@ from llmfleet.services.router.placement import (
 )
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_PREFILL
 from llmfleet.services.router.request import Lease, Leg, RequestRun
-from llmfleet.services.router.routing import LeastLoad
+from llmfleet.services.router.routing import DecodeHeadroom, LeastLoad, Policy, PredictedTTFT
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import sampling_to_pb
@@ -108,7 +108,9 @@ class LeaseHandoff:
         self.pool = placement.pool
         self._reply_endpoint = reply_endpoint
         self._spawn = spawn  # fire-and-forget control RPCs
-        self._decode_policy = LeastLoad()
+        # With the predicting policy for prefills, decode workers are scored alike.
+        predicting = config.routing_policy == PredictedTTFT.name
+        self._decode_policy: Policy = DecodeHeadroom() if predicting else LeastLoad()
         self._prefill_slots: dict[str, asyncio.Semaphore] = {}
 
     async def prefill(self, run: RequestRun) -> tuple[Leg, dataplane_pb2.SequenceOutput] | None:

@@ -12,6 +12,10 @@ and asks a policy to choose. Every choice comes with a `RouteDecision` for metri
 - `PredictedTTFT`: the worker with the least predicted time to first token (below), ties
   (within `TIE_FRACTION`) to the least loaded. No thresholds: its coefficients are each
   worker's own measured step times (`StepTimeModel`, in the worker's load reports).
+- `DecodeHeadroom`: for a disaggregated request's decode worker (the prompt's KV arrives by
+  push, so no prefix counts): the least predicted decode step once the request joins
+  (`step_s + (requests + 1) * step_s_per_seq`) plus the same KV-pressure term, ties to the
+  least loaded. The router uses it beside `PredictedTTFT`.
 
 Predicted TTFT on a worker, for a prompt of N tokens of which the worker caches `local` and
 the kvstore holds `store` more (fetched instead of computed):
@@ -166,10 +170,7 @@ class PredictedTTFT:
     ) -> RouteDecision:
         _require(candidates)
         scored = [(predict_ttft(c, block_size, num_prompt_tokens), c) for c in candidates]
-        best = min(t for t, _ in scored)
-        ties = [c for t, c in scored if t <= best * (1 + TIE_FRACTION)]
-        pick = min(ties, key=_load_key)
-        ttft = next(t for t, c in scored if c is pick)
+        ttft, pick = _least_predicted(scored)
         return RouteDecision(
             self.name,
             pick.worker_id,
@@ -178,6 +179,45 @@ class PredictedTTFT:
             ttft,
             tuple((c.worker_id, t) for t, c in scored),
         )
+
+
+class DecodeHeadroom:
+    name = "decode_headroom"
+    needs_prefix = False
+
+    def choose(
+        self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
+    ) -> RouteDecision:
+        _require(candidates)
+        scored = [(predict_decode_step(c, block_size, num_prompt_tokens), c) for c in candidates]
+        _, pick = _least_predicted(scored)
+        return RouteDecision(self.name, pick.worker_id, 0, OUTCOME_PREDICTED)
+
+
+def _least_predicted(scored: Sequence[tuple[float, Candidate]]) -> tuple[float, Candidate]:
+    """The least predicted candidate and its prediction; predictions within TIE_FRACTION of
+    the least are ties, which go to the least loaded."""
+    best = min(t for t, _ in scored)
+    t, pick = min(
+        ((t, c) for t, c in scored if t <= best * (1 + TIE_FRACTION)),
+        key=lambda tc: _load_key(tc[1]),
+    )
+    return t, pick
+
+
+def predict_decode_step(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
+    """Seconds of `c`'s decode step once a request with this prompt joins it, KV pressure
+    included (its blocks must be reserved before the prompt's KV is pushed)."""
+    step = c.step_s + (c.num_requests + 1) * c.step_s_per_seq
+    return step + _pressure(c, -(-max(1, num_prompt_tokens) // block_size))
+
+
+def _pressure(c: Candidate, needed_blocks: int) -> float:
+    """The wait for memory when `needed_blocks` exceed the free ones (module docstring)."""
+    if c.num_total_blocks <= 0 or needed_blocks <= c.num_free_blocks:
+        return 0.0
+    deficit = (needed_blocks - c.num_free_blocks) / c.num_total_blocks
+    return deficit * PRESSURE_HORIZON_STEPS * c.step_s
 
 
 def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
@@ -192,11 +232,8 @@ def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float
         + (c.queued_prompt_tokens + compute) * c.prefill_s_per_token
         + store * c.fetch_s_per_token
     )
-    needed = -(-n // block_size) - min(c.prefix_blocks, -(-n // block_size))
-    if c.num_total_blocks > 0 and needed > c.num_free_blocks:
-        deficit = (needed - c.num_free_blocks) / c.num_total_blocks
-        ttft += deficit * PRESSURE_HORIZON_STEPS * c.step_s
-    return ttft
+    blocks = -(-n // block_size)
+    return ttft + _pressure(c, blocks - min(c.prefix_blocks, blocks))
 
 
 def make_policy(name: str, prefix_load_threshold: int = 4) -> Policy:
