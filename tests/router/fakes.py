@@ -172,6 +172,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.role = role
         self.step_s = step_s
         self.prefill_failures = prefill_failures
+        self.prefill_gate: asyncio.Event | None = None
         self.calls: list[tuple[str, object]] = []
         self.load = common_pb2.LoadReport(num_free_blocks=100, num_total_blocks=100)
         self.num_snapshots = 0
@@ -362,6 +363,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Prefill(self, request, context):
         self.calls.append(("Prefill", request))
+        if self.prefill_gate is not None:  # a test holds the prefill in flight
+            await self.prefill_gate.wait()
         if self.prefill_failures > 0:
             self.prefill_failures -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv push to the decode worker failed")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from harness import Fleet, eventually, letters, run, sampling, tokens_of
 
 from llmfleet.v1 import generation_pb2
@@ -101,5 +103,22 @@ def test_predicted_ttft_sends_the_decode_to_the_worker_whose_step_stays_short():
             _, text = await fleet.generate(text=LONG, sampling=sampling(max_tokens=3))
             assert text == letters(len(LONG), 3)
             assert fast.names() == ["ReserveKV", "StartDecode"] and slow.names() == []
+
+    run(body())
+
+
+def test_a_prefill_in_flight_counts_in_its_workers_queue_for_routing():
+    async def body():
+        async with _fleet() as fleet:
+            await fleet.add_worker("d", "decode")
+            p = await fleet.add_worker("p", "prefill")
+            p.prefill_gate = asyncio.Event()
+            call = asyncio.create_task(fleet.generate(text=LONG, sampling=sampling(max_tokens=2)))
+            await eventually(lambda: p.names() == ["Prefill"])
+            assert fleet.router.placement._prefilling == {"p": len(LONG)}
+            p.prefill_gate.set()
+            _, text = await call
+            assert text == letters(len(LONG), 2)
+            assert fleet.router.placement._prefilling == {}
 
     run(body())

@@ -184,10 +184,12 @@ class LeaseHandoff:
             },
         )
         md = metadata(trace.set_span_in_context(span, run.trace))
+        uncached = len(run.prompt_ids) - run.routed_prefix_tokens  # as the prefill was routed
         try:
-            pre = await self._lease_and_prefill(
-                run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
-            )
+            with self.placement.prefilling(prefill_id, uncached):
+                pre = await self._lease_and_prefill(
+                    run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
+                )
         except (_AttemptFailed, _DecodeFull) as failed:
             _end_lease_span(span, None, None, str(failed))
             raise

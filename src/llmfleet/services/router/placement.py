@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -158,7 +158,8 @@ class Placement:
             decision.outcome,
             decision.matched_prefix_tokens,
         )
-        run.routed_prefix_tokens = decision.matched_prefix_tokens
+        if policy.needs_prefix:  # (a decode pick for a lease does not count prefixes)
+            run.routed_prefix_tokens = decision.matched_prefix_tokens
         if decision.predicted_ttft_s is not None and run.first_token_at is None:
             run.predicted_ttft = (decision.policy, time.perf_counter(), decision.predicted_ttft_s)
         return decision.worker_id
@@ -174,7 +175,7 @@ class Placement:
         leg = Leg(wire_id, worker_id, indices, prefill_tokens=max(0, prefill_tokens))
         run.legs[wire_id] = leg
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
-        self._prefilling[worker_id] = self._prefilling.get(worker_id, 0) + leg.prefill_tokens
+        self._count_prefilling(worker_id, leg.prefill_tokens)
         events = run.events
 
         def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
@@ -208,12 +209,25 @@ class Placement:
 
     def _prefilled(self, leg: Leg) -> None:
         """`leg`'s prompt left its worker's queue (first output, or the leg closed)."""
-        left = self._prefilling.get(leg.worker_id, 0) - leg.prefill_tokens
+        self._count_prefilling(leg.worker_id, -leg.prefill_tokens)
         leg.prefill_tokens = 0
+
+    @contextlib.contextmanager
+    def prefilling(self, worker_id: str, tokens: int) -> Iterator[None]:
+        """A prompt of `tokens` in `worker_id`'s queue for routing while the block runs (a
+        disaggregated prefill: no leg, one RPC)."""
+        self._count_prefilling(worker_id, tokens)
+        try:
+            yield
+        finally:
+            self._count_prefilling(worker_id, -tokens)
+
+    def _count_prefilling(self, worker_id: str, tokens: int) -> None:
+        left = self._prefilling.get(worker_id, 0) + tokens
         if left > 0:
-            self._prefilling[leg.worker_id] = left
+            self._prefilling[worker_id] = left
         else:
-            self._prefilling.pop(leg.worker_id, None)
+            self._prefilling.pop(worker_id, None)
 
     def close_leg(self, run: RequestRun, leg: Leg) -> None:
         if leg.prefill_tokens:
