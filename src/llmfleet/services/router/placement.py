@@ -26,13 +26,14 @@ from llmfleet.services.router import metrics, spans
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
-from llmfleet.services.router.routing import Candidate, Policy
+from llmfleet.services.router.routing import DEFAULT_FETCH_S_PER_TOKEN, Candidate, Policy
 from llmfleet.services.router.store_view import StoreView
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, ValidationError
 from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.core.step_model import DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S
 from llmfleet.shared.wire.convert import sampling_to_pb
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
@@ -105,14 +106,6 @@ class Placement:
                 continue
             prefix = self.kv.index.matched_prefix(w.worker_id, hashes) if use_prefix else 0
             load = w.load
-            measured = {}
-            if load.step_seconds > 0:
-                measured["step_s"] = load.step_seconds
-                measured["step_s_per_seq"] = load.step_seconds_per_seq
-            if load.prefill_seconds_per_token > 0:
-                measured["prefill_s_per_token"] = load.prefill_seconds_per_token
-            if load.fetch_seconds_per_token > 0:
-                measured["fetch_s_per_token"] = load.fetch_seconds_per_token
             out.append(
                 Candidate(
                     w.worker_id,
@@ -125,7 +118,12 @@ class Placement:
                     queued_prompt_tokens=max(
                         load.num_queued_prompt_tokens, self._prefilling.get(w.worker_id, 0)
                     ),
-                    **measured,  # type: ignore[arg-type]
+                    # what the worker measured; the priors until it has (reported as 0)
+                    step_s=load.step_seconds or DEFAULT_STEP_S,
+                    step_s_per_seq=load.step_seconds_per_seq,
+                    prefill_s_per_token=load.prefill_seconds_per_token
+                    or DEFAULT_PREFILL_S_PER_TOKEN,
+                    fetch_s_per_token=load.fetch_seconds_per_token or DEFAULT_FETCH_S_PER_TOKEN,
                 )
             )
         return out

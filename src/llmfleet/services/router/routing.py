@@ -208,8 +208,12 @@ def _least_predicted(scored: Sequence[tuple[float, Candidate]]) -> tuple[float, 
 def predict_decode_step(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
     """Seconds of `c`'s decode step once a request with this prompt joins it, KV pressure
     included (its blocks must be reserved before the prompt's KV is pushed)."""
-    step = c.step_s + (c.num_requests + 1) * c.step_s_per_seq
-    return step + _pressure(c, -(-max(1, num_prompt_tokens) // block_size))
+    return _joined_step(c) + _pressure(c, -(-max(1, num_prompt_tokens) // block_size))
+
+
+def _joined_step(c: Candidate) -> float:
+    """`c`'s step once one more request joins its batch."""
+    return c.step_s + (c.num_requests + 1) * c.step_s_per_seq
 
 
 def _pressure(c: Candidate, needed_blocks: int) -> float:
@@ -227,8 +231,7 @@ def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float
     store = max(0, min(n, c.store_blocks * block_size) - local)
     compute = max(1, n - local - store)
     ttft = (
-        c.step_s
-        + (c.num_requests + 1) * c.step_s_per_seq
+        _joined_step(c)
         + (c.queued_prompt_tokens + compute) * c.prefill_s_per_token
         + store * c.fetch_s_per_token
     )

@@ -25,8 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from llmfleet.engine.engine import LLMEngine
-from llmfleet.engine.kv_handoff import stage_payload
-from llmfleet.services.worker.kv_transfer import KVReceiver
+from llmfleet.services.worker.kv_transfer import KVReceiver, stage_frames
 from llmfleet.services.worker.lease import LeaseError, LeaseTable
 from llmfleet.services.worker.loop import EngineLoop
 from llmfleet.services.worker.request_spans import RequestSpans
@@ -34,7 +33,7 @@ from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.wire.convert import sampling_from_pb
 from llmfleet.shared.wire.service import FailedPrecondition, cancel_and_wait
 from llmfleet.shared.wire.tracing import context_from_traceparent
-from llmfleet.shared.wire.transport import Frame, frame_tensor
+from llmfleet.shared.wire.transport import Frame
 from llmfleet.v1 import dataplane_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -143,13 +142,8 @@ class DecodeSide:
             raise LeaseError(f"lease {lease.lease_id} is not for request {header.request_id!r}")
         if header.layout != self.kv_layout:
             raise LeaseError(f"KV layout {header.layout} is not this worker's {self.kv_layout}")
-        shape, dtype = engine.kv.block_shape, engine.kv.dtype
-        views = [frame_tensor(f, dtype, shape) for f in frames]  # zero-copy, checked sizes
         trace.get_current_span().set_attribute("llmfleet.kv.bytes", sum(len(f) for f in frames))
-        # The host copy runs on a pool thread, beside the engine's steps; the engine thread only
-        # starts the copy to the GPU (asynchronous from pinned memory) and the cache writes.
-        cuda = engine.device.type == "cuda"
-        payload = await asyncio.to_thread(stage_payload, views, pinned=cuda)
+        payload = await stage_frames(engine, frames)
 
         def write() -> None:
             engine.kv.write_reserved(lease.lease_id, header.first_block, payload)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import prometheus_client
@@ -23,6 +23,8 @@ import torch
 import zmq
 import zmq.asyncio
 
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.kv_handoff import stage_payload
 from llmfleet.services.worker.lease import LeaseError
 from llmfleet.shared.core.errors import LLMFleetError
 from llmfleet.shared.wire.service import FailedPrecondition, Unavailable, cancel_and_wait
@@ -31,6 +33,7 @@ from llmfleet.shared.wire.transport import (
     MalformedFrame,
     decode,
     encode,
+    frame_tensor,
     recv_loop,
     tensor_frame,
 )
@@ -64,6 +67,16 @@ for _direction in ("push", "receive"):  # exported at 0 from the start, so rate(
 class PushResult:
     num_bytes: int
     transfer_us: int  # first send to last acknowledgement
+
+
+async def stage_frames(engine: LLMEngine, frames: Sequence[Frame]) -> torch.Tensor:
+    """Received KV frames (one block each, checked against `engine`'s block layout) as one
+    payload for `engine.kv` (`write_reserved`, `import_cached_blocks`). The host copy runs on a
+    pool thread beside the engine's steps, into pinned memory on a CUDA engine, so the engine
+    thread only starts an asynchronous copy to the GPU."""
+    shape, dtype = engine.kv.block_shape, engine.kv.dtype
+    views = [frame_tensor(f, dtype, shape) for f in frames]  # zero-copy, checked sizes
+    return await asyncio.to_thread(stage_payload, views, pinned=engine.device.type == "cuda")
 
 
 class _Dealer:

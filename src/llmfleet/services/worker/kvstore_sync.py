@@ -38,14 +38,15 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from llmfleet.engine.engine import LLMEngine
-from llmfleet.engine.kv_handoff import stage_payload
 from llmfleet.engine.request import RequestOutput
+from llmfleet.services.worker.kv_transfer import stage_frames
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.loop import EngineLoop
 from llmfleet.shared.core.errors import LLMFleetError
 from llmfleet.shared.core.kv_index import KVSnapshot
+from llmfleet.shared.core.step_model import mix
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
-from llmfleet.shared.wire.transport import MalformedFrame, frame_tensor, tensor_frame
+from llmfleet.shared.wire.transport import MalformedFrame, tensor_frame
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class KVStoreSync:
         self.num_blocks_dropped = 0  # blocks of puts dropped over the byte budget
         self.num_blocks_fetched = 0
         self.num_fetches = 0
-        self.fetch_s_per_token = 0.0  # measured (num_fetches > 0)
+        # a fetch (get + import) per token, moving average: LoadReport.fetch_seconds_per_token
+        self.fetch_s_per_token = 0.0  # measured once num_fetches > 0
         self.num_blocks_stored = 0
         self.num_lookups_skipped = 0
 
@@ -134,30 +136,20 @@ class KVStoreSync:
             started = time.perf_counter()
             frames = await self.client.get(self._layout_key, hashes[:num_remote])
             if frames:
-                shape, dtype = engine.kv.block_shape, engine.kv.dtype
-                views = [frame_tensor(f, dtype, shape) for f in frames]
                 got = hashes[: len(frames)]
-                # The host copy on a pool thread; the engine thread only starts the copy in.
-                cuda = engine.device.type == "cuda"
-                payload = await asyncio.to_thread(stage_payload, views, pinned=cuda)
+                payload = await stage_frames(engine, frames)
                 imported = await self._loop.call(
                     lambda: engine.kv.import_cached_blocks(got, payload)
                 )
                 self.num_blocks_fetched += imported
-                tokens = len(frames) * shape[2]
-                self._fetched(time.perf_counter() - started, tokens)
+                tokens = len(frames) * engine.block_manager.block_size
+                per_token = (time.perf_counter() - started) / tokens
+                self.fetch_s_per_token = mix(self.fetch_s_per_token, per_token, self.num_fetches)
+                self.num_fetches += 1
             return len(frames)
         except (LLMFleetError, MalformedFrame) as e:
             logger.warning("kvstore unavailable for a prefix fetch: %s", e)
             return None
-
-    def _fetched(self, seconds: float, tokens: int) -> None:
-        """A fetch of `tokens` tokens' KV took `seconds` (get + import): the moving average
-        the worker reports for routing (`LoadReport.fetch_seconds_per_token`)."""
-        per_token = seconds / tokens
-        self.num_fetches += 1
-        w = max(0.1, 1.0 / self.num_fetches)
-        self.fetch_s_per_token += w * (per_token - self.fetch_s_per_token)
 
     def expect_put(
         self, request_id: str, hashes: list[bytes], parent: Span = trace.INVALID_SPAN

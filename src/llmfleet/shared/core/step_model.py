@@ -81,7 +81,12 @@ class StepTimeModel:
         self.step_s = max(0.0, my - self.step_s_per_seq * mx)
 
     def _mix(self, old: float, new: float, seen: int) -> float:
-        # The first observations count more (a plain mean up to 1 / weight of them), so the
-        # prior is forgotten quickly; from then on, an exponential moving average.
-        w = max(self.weight, 1.0 / (seen + 1))
-        return old + w * (new - old)
+        return mix(old, new, seen, self.weight)
+
+
+def mix(old: float, new: float, seen: int, weight: float = 0.1) -> float:
+    """`old`, a moving average of `seen` observations, moved by observation `new`. The first
+    observations count more (a plain mean up to 1 / weight of them), so the starting value (a
+    prior) is forgotten quickly; from then on, an exponential moving average."""
+    w = max(weight, 1.0 / (seen + 1))
+    return old + w * (new - old)
