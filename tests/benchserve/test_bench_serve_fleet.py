@@ -74,8 +74,8 @@ def test_random_dataset_report_json_and_plots(capsys, fleet, model, tmp_path):
     assert all(12 <= n <= 36 for n in data["input_lens"])  # token-id prompts, sent as such
     assert data["total_input_tokens"] == sum(data["input_lens"])
     # One gap per streamed message after the first: one per token, fewer where the router
-    # joined steps that waited behind a slow stream (a busy machine).
-    assert all(1 <= len(i) <= n - 1 for i, n in zip(data["itls"], data["output_lens"], strict=True))
+    # joined steps that waited behind a slow stream (a busy machine: possibly all of them).
+    assert all(len(i) <= n - 1 for i, n in zip(data["itls"], data["output_lens"], strict=True))
     assert all(0 < t <= e for t, e in zip(data["ttfts"], data["e2els"], strict=True))
     assert data["request_goodput"] == pytest.approx(data["request_throughput"])
     assert data["peak_concurrency"] <= 3
@@ -151,8 +151,10 @@ def test_openai_backends_through_the_gateway(capsys, fleet, model, tmp_path, bac
     # Text prompts re-encode to about the requested length (plus the chat template).
     assert all(n >= 19 for n in data["input_lens"])
     # SSE events carry text: a token without text (a special one the random model may pick)
-    # arrives with the next event, so there are at most 5 gaps per request.
-    assert all(len(itl) <= 5 for itl in data["itls"]) and any(data["itls"])
+    # arrives with the next event, so there are at most 5 gaps per request; on a busy machine
+    # the router joins steps that waited behind a stream, down to one event for all 6 tokens
+    # (per-chunk timing itself: test_openai_backend.py).
+    assert all(len(itl) <= 5 for itl in data["itls"])
     assert all(0 < t <= e for t, e in zip(data["ttfts"], data["e2els"], strict=True))
     assert (tmp_path / "http.timeline.png").stat().st_size > 5000
 

@@ -27,7 +27,8 @@ from llmfleet.v1 import common_pb2, generation_pb2
 def test_streams_deltas_and_usage():
     async def body():
         async with Fleet() as fleet:
-            await fleet.add_worker("w1")
+            # Steps of 20 ms: the stream keeps up, so no steps are joined into one message.
+            await fleet.add_worker("w1", step_s=0.02)
             out, text = await fleet.generate(text="hello", sampling=sampling(max_tokens=6))
             assert text == letters(5, 6)
             assert tokens_of(out, 0) == [ord(c) for c in letters(5, 6)]
