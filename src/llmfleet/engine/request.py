@@ -66,6 +66,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
+    num_cached_on_arrival: int = 0  # prefix-cache hit when queued (an estimate of the above)
     num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

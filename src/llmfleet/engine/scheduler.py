@@ -59,8 +59,21 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens admitted and still to compute (waiting and running requests); a
+        waiting request's prefix cached when it arrived is not counted."""
+        return sum(
+            max(0, r.num_prompt_tokens - max(r.num_computed_tokens, r.num_cached_on_arrival))
+            for queue in (self.waiting, self.running)
+            for r in queue
+        )
+
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        if req.num_computed_tokens == 0:
+            cached = self.bm.num_cached_prefix(req.block_hashes) * self.bm.block_size
+            req.num_cached_on_arrival = min(cached, req.num_prompt_tokens - 1)
         self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:

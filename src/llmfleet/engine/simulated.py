@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,13 +47,15 @@ class SimulatedRunner(ModelRunner):
         super().__init__(torch.nn.Identity(), tiny, block_manager, dtype=spec.dtype, device=device)
         self.spec = spec
         self.step_time = step_time
+        # How a step spends its time; a virtual-time harness replaces it with its clock.
+        self.sleep: Callable[[float], None] = time.sleep
         logger.info("simulated forward pass: %s", step_time)
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Nothing to capture: a simulated step launches no kernels."""
 
     def execute(self, sched: SchedulerOutput) -> StepOutput:
-        time.sleep(self.step_time.seconds([s.num_new_tokens for s in sched.scheduled]))
+        self.sleep(self.step_time.seconds([s.num_new_tokens for s in sched.scheduled]))
         rows = [j for j, s in enumerate(sched.scheduled) if s.samples]
         return StepOutput(torch.empty((len(rows), 0)), rows)
 

@@ -132,7 +132,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_active_leases", "num_queued_prompt_tokens", "step_seconds", "prefill_seconds_per_token", "fetch_seconds_per_token", "step_seconds_per_seq")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_active_leases", "num_queued_prompt_tokens", "step_seconds", "prefill_seconds_per_token", "fetch_seconds_per_token", "step_seconds_per_seq", "max_num_batched_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class LoadReport(_message.Message):
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FETCH_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -153,4 +154,5 @@ class LoadReport(_message.Message):
     prefill_seconds_per_token: float
     fetch_seconds_per_token: float
     step_seconds_per_seq: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_active_leases: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., fetch_seconds_per_token: _Optional[float] = ..., step_seconds_per_seq: _Optional[float] = ...) -> None: ...
+    max_num_batched_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_active_leases: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., fetch_seconds_per_token: _Optional[float] = ..., step_seconds_per_seq: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...

@@ -184,7 +184,7 @@ class LeaseHandoff:
             },
         )
         md = metadata(trace.set_span_in_context(span, run.trace))
-        uncached = len(run.prompt_ids) - run.routed_prefix_tokens  # as the prefill was routed
+        uncached = run.routed_uncached_tokens or len(run.prompt_ids)  # as the prefill was routed
         try:
             with self.placement.prefilling(prefill_id, uncached):
                 pre = await self._lease_and_prefill(

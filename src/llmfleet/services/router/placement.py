@@ -23,10 +23,15 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from llmfleet.services.router import metrics, spans
-from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
+from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, Load, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
-from llmfleet.services.router.routing import DEFAULT_FETCH_S_PER_TOKEN, Candidate, Policy
+from llmfleet.services.router.routing import (
+    DEFAULT_FETCH_S_PER_TOKEN,
+    Candidate,
+    Policy,
+    uncached_tokens,
+)
 from llmfleet.services.router.store_view import StoreView
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
@@ -67,6 +72,38 @@ def mark_submitted(run: RequestRun) -> None:
         NUM_REQUESTS_RUNNING.labels(run.model.model_id).inc()
 
 
+def candidate(
+    worker_id: str,
+    load: Load,
+    *,
+    num_sent: int,
+    prompt_tokens_sent: int,
+    num_prefilling_sent: int,
+    prefix_blocks: int,
+    store_blocks: int,
+) -> Candidate:
+    """A worker as the routing policies see it: its last load report, raised to what this
+    router has sent it since (`num_sent` requests, of which `num_prefilling_sent` have no first
+    token yet, with `prompt_tokens_sent` prompt tokens to compute) when that is more, and the
+    request's cached prefix there and in the kvstore."""
+    return Candidate(
+        worker_id,
+        max(load.num_requests, num_sent),
+        load.num_free_blocks,
+        prefix_blocks,
+        num_total_blocks=load.num_total_blocks,
+        store_blocks=store_blocks,
+        queued_prompt_tokens=max(load.num_queued_prompt_tokens, prompt_tokens_sent),
+        # what the worker measured; the priors until it has (reported as 0)
+        step_s=load.step_seconds or DEFAULT_STEP_S,
+        step_s_per_seq=load.step_seconds_per_seq,
+        step_token_budget=load.max_num_batched_tokens,
+        prefill_s_per_token=load.prefill_seconds_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
+        fetch_s_per_token=load.fetch_seconds_per_token or DEFAULT_FETCH_S_PER_TOKEN,
+        num_queued=max(load.num_waiting, num_prefilling_sent),
+    )
+
+
 class Placement:
     def __init__(
         self,
@@ -87,8 +124,9 @@ class Placement:
         self.policy = policy
         self._on_broken = on_broken
         self._inflight: dict[str, int] = {}  # worker id -> legs the router placed there
-        # worker id -> prompt tokens of the legs placed there that have no output yet
-        self._prefilling: dict[str, int] = {}
+        # worker id -> (prompt tokens, requests) of the legs placed there (and disaggregated
+        # prefills sent there) that have no output yet
+        self._prefilling: dict[str, tuple[int, int]] = {}
         self.store: StoreView | None = None  # what the kvstore holds (server.py sets it)
         self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
 
@@ -105,25 +143,15 @@ class Placement:
             if w.worker_id in run.excluded:
                 continue
             prefix = self.kv.index.matched_prefix(w.worker_id, hashes) if use_prefix else 0
-            load = w.load
             out.append(
-                Candidate(
+                candidate(
                     w.worker_id,
-                    max(load.num_requests, self._inflight.get(w.worker_id, 0)),
-                    load.num_free_blocks,
-                    prefix,
-                    num_total_blocks=load.num_total_blocks,
+                    w.load,
+                    num_sent=self._inflight.get(w.worker_id, 0),
+                    prompt_tokens_sent=self._prefilling.get(w.worker_id, (0, 0))[0],
+                    num_prefilling_sent=self._prefilling.get(w.worker_id, (0, 0))[1],
+                    prefix_blocks=prefix,
                     store_blocks=store,
-                    # what it reported, or what this router sent it since, if more
-                    queued_prompt_tokens=max(
-                        load.num_queued_prompt_tokens, self._prefilling.get(w.worker_id, 0)
-                    ),
-                    # what the worker measured; the priors until it has (reported as 0)
-                    step_s=load.step_seconds or DEFAULT_STEP_S,
-                    step_s_per_seq=load.step_seconds_per_seq,
-                    prefill_s_per_token=load.prefill_seconds_per_token
-                    or DEFAULT_PREFILL_S_PER_TOKEN,
-                    fetch_s_per_token=load.fetch_seconds_per_token or DEFAULT_FETCH_S_PER_TOKEN,
                 )
             )
         return out
@@ -146,6 +174,7 @@ class Placement:
             if not cands:
                 raise Unavailable(f"no live {role} worker for request {run.request_id}")
             decision = policy.choose(cands, run.model.block_size, len(prompt_ids))
+            pick = next(c for c in cands if c.worker_id == decision.worker_id)
             spans.set_route(span, decision)
         metrics.ROUTING.labels(decision.policy, decision.outcome).inc()
         logger.debug(
@@ -157,7 +186,9 @@ class Placement:
             decision.matched_prefix_tokens,
         )
         if policy.needs_prefix:  # (a decode pick for a lease does not count prefixes)
-            run.routed_prefix_tokens = decision.matched_prefix_tokens
+            run.routed_uncached_tokens = uncached_tokens(
+                pick, run.model.block_size, len(prompt_ids)
+            )
         if decision.predicted_ttft_s is not None and run.first_token_at is None:
             run.predicted_ttft = (decision.policy, time.perf_counter(), decision.predicted_ttft_s)
         return decision.worker_id
@@ -173,7 +204,8 @@ class Placement:
         leg = Leg(wire_id, worker_id, indices, prefill_tokens=max(0, prefill_tokens))
         run.legs[wire_id] = leg
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
-        self._count_prefilling(worker_id, leg.prefill_tokens)
+        if leg.prefill_tokens:
+            self._count_prefilling(worker_id, leg.prefill_tokens, 1)
         events = run.events
 
         def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
@@ -207,22 +239,23 @@ class Placement:
 
     def _prefilled(self, leg: Leg) -> None:
         """`leg`'s prompt left its worker's queue (first output, or the leg closed)."""
-        self._count_prefilling(leg.worker_id, -leg.prefill_tokens)
+        self._count_prefilling(leg.worker_id, -leg.prefill_tokens, -1)
         leg.prefill_tokens = 0
 
     @contextlib.contextmanager
     def prefilling(self, worker_id: str, tokens: int) -> Iterator[None]:
         """A prompt of `tokens` in `worker_id`'s queue for routing while the block runs (a
         disaggregated prefill: no leg, one RPC)."""
-        self._count_prefilling(worker_id, tokens)
+        self._count_prefilling(worker_id, tokens, 1)
         try:
             yield
         finally:
-            self._count_prefilling(worker_id, -tokens)
+            self._count_prefilling(worker_id, -tokens, -1)
 
-    def _count_prefilling(self, worker_id: str, tokens: int) -> None:
-        left = self._prefilling.get(worker_id, 0) + tokens
-        if left > 0:
+    def _count_prefilling(self, worker_id: str, tokens: int, requests: int) -> None:
+        had_tokens, had_requests = self._prefilling.get(worker_id, (0, 0))
+        left = (had_tokens + tokens, had_requests + requests)
+        if left[1] > 0:
             self._prefilling[worker_id] = left
         else:
             self._prefilling.pop(worker_id, None)
@@ -266,7 +299,9 @@ class Placement:
         while True:
             worker_id = self.route(run, role, prompt_ids)
             stub = self.pool.stub(worker_id)
-            leg = self.new_leg(run, worker_id, indices, len(prompt_ids) - run.routed_prefix_tokens)
+            # (at least its last token is computed, even with the whole prompt cached)
+            uncached = run.routed_uncached_tokens or len(prompt_ids)
+            leg = self.new_leg(run, worker_id, indices, uncached)
             try:
                 if stub is None:
                     raise Unavailable(f"worker {worker_id} is not connected")

@@ -35,6 +35,7 @@ class Load:
     prefill_seconds_per_token: float = 0.0
     fetch_seconds_per_token: float = 0.0
     step_seconds_per_seq: float = 0.0
+    max_num_batched_tokens: int = 0  # 0: not reported
 
     @property
     def num_requests(self) -> int:

@@ -111,7 +111,9 @@ class RequestRun:
     aborted: bool = False
     trace: Context = field(default_factory=Context)  # its `llm_request` span (spans.py)
     workers_used: list[str] = field(default_factory=list)  # every worker it ran on, in order
-    routed_prefix_tokens: int = 0  # cached prefix the latest prefix-counting decision found
+    # prompt tokens the latest prefix-counting decision's worker computes (not cached there,
+    # not fetched from the kvstore); 0: no such decision yet
+    routed_uncached_tokens: int = 0
     predicted_ttft: tuple[str, float, float] | None = None  # policy, routed at, predicted s
     _carried: object | None = None  # taken from `events` by next_event, not handled yet
 

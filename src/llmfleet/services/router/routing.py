@@ -9,37 +9,57 @@ and asks a policy to choose. Every choice comes with a `RouteDecision` for metri
 - `PrefixAware`: the longest cached prefix wins unless that worker's load exceeds the least
   loaded worker's by more than `load_threshold` sequences; equal prefixes go to the lower load.
   A worker whose KV view is being resynced reports a prefix of 0 (never a stale score).
-- `PredictedTTFT`: the worker with the least predicted time to first token (below), ties
-  (within `TIE_FRACTION`) to the least loaded. No thresholds: its coefficients are each
+- `PredictedTTFT`: the worker with the least predicted latency cost: the request's predicted
+  time to first token there, plus the delay its prompt compute puts on the requests that will
+  queue behind it (below). Ties (within one decode step of the least: below what the
+  prediction resolves) go to the least loaded. No thresholds: its coefficients are each
   worker's own measured step times (`StepTimeModel`, in the worker's load reports).
 - `DecodeHeadroom`: for a disaggregated request's decode worker (the prompt's KV arrives by
   push, so no prefix counts): the least predicted decode step once the request joins
   (`step_s + (requests + 1) * step_s_per_seq`) plus the same KV-pressure term, ties to the
-  least loaded. The router uses it beside `PredictedTTFT`.
+  least loaded (within `TIE_FRACTION`). The router uses it beside `PredictedTTFT`.
 
 Predicted TTFT on a worker, for a prompt of N tokens of which the worker caches `local` and
 the kvstore holds `store` more (fetched instead of computed):
 
     compute = N - local - store                       (at least the last token)
-    ttft    = step_s + (requests + 1) * step_s_per_seq   (the step that finishes the prompt,
-                                                      beside the batch it joins)
-            + (queued + compute) * prefill_s_per_token   (prompt tokens ahead of it, and its own)
+    prompt  = queued + compute                        (prompt tokens ahead of it, and its own)
+    steps   = ceil(prompt / (budget - requests))      (the steps they take, beside the batch)
+    ttft    = steps * (step_s + (requests + 1) * step_s_per_seq)
+            + prompt * prefill_s_per_token
             + store * fetch_s_per_token
             + pressure
 
-where `queued` is the prompt tokens admitted there and not yet computed, and `pressure`, when
+where `queued` is the prompt tokens admitted there and not yet computed (less the prefix a
+waiting request found cached), `budget` the worker's tokens per step (1 step if unknown: each
+step also decodes its running batch, and a deep queue takes many), and `pressure`, when
 the prompt needs more blocks than are free, is the deficit's share of the cache times
 `PRESSURE_HORIZON_STEPS` steps: the wait for running requests to free memory (or be
 preempted, which costs their recomputation).
+
+The cost the policy minimizes adds what the choice costs the others, the delay its prompt's
+compute (`compute_s = compute * prefill_s_per_token`) puts on the requests queued behind it:
+
+    cost = ttft + compute_s * (queued_requests + arrival_rate * compute_s / 2)
+
+`queued_requests` is the requests there without a first token yet: in a steady queue about as
+many arrive while a prompt waits (Little's law), and each of them waits `compute_s` longer.
+`arrival_rate * compute_s` more arrive while it computes, `compute_s / 2` later on average;
+`arrival_rate` is the requests per second the policy routes, shared by the candidates. On an
+idle fleet with a trickle of requests the cost is the TTFT. Under load a recomputed prefix
+costs the whole queue, so requests stay with the worker holding their prefix unless another's
+queue is shorter by that much: the caches keep their tenants, and the fleet's throughput rises
+with its hit rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmfleet.shared.core.step_model import DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S
+from llmfleet.shared.core.step_model import DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S, mix
 
 # Decision outcomes (label values of llmfleet:routing_decisions_total).
 OUTCOME_ROTATED = "rotated"
@@ -52,7 +72,7 @@ OUTCOME_PREDICTED = "predicted"
 # A fetch from the kvstore moves KV bytes instead of computing them: until measured, a tenth
 # of the prefill prior per token.
 DEFAULT_FETCH_S_PER_TOKEN = DEFAULT_PREFILL_S_PER_TOKEN / 10
-TIE_FRACTION = 0.05  # predictions this close to the best are ties (broken by load)
+TIE_FRACTION = 0.05  # decode steps this close to the least are ties (broken by load)
 PRESSURE_HORIZON_STEPS = 256  # steps for running requests to free a whole cache
 
 
@@ -70,6 +90,8 @@ class Candidate:
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
     fetch_s_per_token: float = DEFAULT_FETCH_S_PER_TOKEN
     step_s_per_seq: float = 0.0  # what each sequence in its batch adds to a step
+    num_queued: int = 0  # requests there without a first token yet
+    step_token_budget: int = 0  # tokens a step computes at most (0: unknown, one step)
 
 
 @dataclass(frozen=True)
@@ -165,19 +187,41 @@ class PredictedTTFT:
     name = "predicted_ttft"
     needs_prefix = True
 
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # seconds; the arrival rate is measured on it
+        self._last: float | None = None
+        self._gap_s = 0.0  # moving average of the time between decisions
+        self._num_gaps = 0
+
+    @property
+    def arrival_rate(self) -> float:
+        """Requests per second this policy routes, as measured (0 until two were)."""
+        return 1.0 / self._gap_s if self._gap_s > 0 else 0.0
+
     def choose(
         self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
     ) -> RouteDecision:
         _require(candidates)
-        scored = [(predict_ttft(c, block_size, num_prompt_tokens), c) for c in candidates]
-        ttft, pick = _least_predicted(scored)
+        now = self._clock()
+        if self._last is not None:
+            self._gap_s = mix(self._gap_s, max(0.0, now - self._last), self._num_gaps, 0.02)
+            self._num_gaps += 1
+        self._last = now
+        rate = self.arrival_rate / len(candidates)
+        ttfts = {c.worker_id: predict_ttft(c, block_size, num_prompt_tokens) for c in candidates}
+        scored = [
+            (ttfts[c.worker_id] + imposed_delay(c, block_size, num_prompt_tokens, rate), c)
+            for c in candidates
+        ]
+        best, least = min(scored, key=lambda tc: tc[0])
+        _, pick = _least_loaded_within(scored, best + least.step_s)
         return RouteDecision(
             self.name,
             pick.worker_id,
             pick.prefix_blocks * block_size,
             OUTCOME_PREDICTED,
-            ttft,
-            tuple((c.worker_id, t) for t, c in scored),
+            ttfts[pick.worker_id],
+            tuple(ttfts.items()),
         )
 
 
@@ -190,19 +234,17 @@ class DecodeHeadroom:
     ) -> RouteDecision:
         _require(candidates)
         scored = [(predict_decode_step(c, block_size, num_prompt_tokens), c) for c in candidates]
-        _, pick = _least_predicted(scored)
+        best = min(t for t, _ in scored)
+        _, pick = _least_loaded_within(scored, best * (1 + TIE_FRACTION))
         return RouteDecision(self.name, pick.worker_id, 0, OUTCOME_PREDICTED)
 
 
-def _least_predicted(scored: Sequence[tuple[float, Candidate]]) -> tuple[float, Candidate]:
-    """The least predicted candidate and its prediction; predictions within TIE_FRACTION of
-    the least are ties, which go to the least loaded."""
-    best = min(t for t, _ in scored)
-    t, pick = min(
-        ((t, c) for t, c in scored if t <= best * (1 + TIE_FRACTION)),
-        key=lambda tc: _load_key(tc[1]),
-    )
-    return t, pick
+def _least_loaded_within(
+    scored: Sequence[tuple[float, Candidate]], limit: float
+) -> tuple[float, Candidate]:
+    """Of the candidates predicted at most `limit` (ties with the least), the least loaded,
+    with its prediction."""
+    return min(((t, c) for t, c in scored if t <= limit), key=lambda tc: _load_key(tc[1]))
 
 
 def predict_decode_step(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
@@ -224,22 +266,46 @@ def _pressure(c: Candidate, needed_blocks: int) -> float:
     return deficit * PRESSURE_HORIZON_STEPS * c.step_s
 
 
-def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
-    """Seconds to the first token of a prompt of `num_prompt_tokens` on `c` (module docstring)."""
+def _split(c: Candidate, block_size: int, num_prompt_tokens: int) -> tuple[int, int, int]:
+    """(all, fetched, computed) tokens of a prompt of `num_prompt_tokens` on `c`."""
     n = max(1, num_prompt_tokens)
     local = min(n, c.prefix_blocks * block_size)
     store = max(0, min(n, c.store_blocks * block_size) - local)
-    compute = max(1, n - local - store)
-    ttft = (
-        _joined_step(c)
-        + (c.queued_prompt_tokens + compute) * c.prefill_s_per_token
-        + store * c.fetch_s_per_token
-    )
+    return n, store, max(1, n - local - store)
+
+
+def uncached_tokens(c: Candidate, block_size: int, num_prompt_tokens: int) -> int:
+    """The prompt tokens `c` would compute: not in its prefix cache, not in the kvstore (at
+    least the last token)."""
+    return _split(c, block_size, num_prompt_tokens)[2]
+
+
+def imposed_delay(
+    c: Candidate, block_size: int, num_prompt_tokens: int, arrival_rate: float
+) -> float:
+    """What computing the prompt on `c` adds to the TTFT of the requests that queue behind it,
+    with requests arriving at `c` at `arrival_rate` per second (module docstring)."""
+    _, _, compute = _split(c, block_size, num_prompt_tokens)
+    compute_s = compute * c.prefill_s_per_token
+    return compute_s * (c.num_queued + arrival_rate * compute_s / 2)
+
+
+def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
+    """Seconds to the first token of a prompt of `num_prompt_tokens` on `c` (module docstring)."""
+    n, store, compute = _split(c, block_size, num_prompt_tokens)
+    prompt = c.queued_prompt_tokens + compute
+    steps = 1
+    if c.step_token_budget > 0:
+        room = max(1, c.step_token_budget - c.num_requests)
+        steps = max(1, -(-prompt // room))
+    ttft = steps * _joined_step(c) + prompt * c.prefill_s_per_token + store * c.fetch_s_per_token
     blocks = -(-n // block_size)
     return ttft + _pressure(c, blocks - min(c.prefix_blocks, blocks))
 
 
-def make_policy(name: str, prefix_load_threshold: int = 4) -> Policy:
+def make_policy(
+    name: str, prefix_load_threshold: int = 4, clock: Callable[[], float] = time.monotonic
+) -> Policy:
     if name == RoundRobin.name:
         return RoundRobin()
     if name == LeastLoad.name:
@@ -247,5 +313,5 @@ def make_policy(name: str, prefix_load_threshold: int = 4) -> Policy:
     if name == PrefixAware.name:
         return PrefixAware(prefix_load_threshold)
     if name == PredictedTTFT.name:
-        return PredictedTTFT()
+        return PredictedTTFT(clock)
     raise ValueError(f"unknown routing policy {name!r}")

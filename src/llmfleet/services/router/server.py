@@ -71,6 +71,7 @@ def load_from_pb(pb: common_pb2.LoadReport) -> Load:
         prefill_seconds_per_token=pb.prefill_seconds_per_token,
         fetch_seconds_per_token=pb.fetch_seconds_per_token,
         step_seconds_per_seq=pb.step_seconds_per_seq,
+        max_num_batched_tokens=pb.max_num_batched_tokens,
     )
 
 
@@ -86,6 +87,7 @@ def load_to_pb(load: Load) -> common_pb2.LoadReport:
         prefill_seconds_per_token=load.prefill_seconds_per_token,
         fetch_seconds_per_token=load.fetch_seconds_per_token,
         step_seconds_per_seq=load.step_seconds_per_seq,
+        max_num_batched_tokens=load.max_num_batched_tokens,
     )
 
 

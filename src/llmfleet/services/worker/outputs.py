@@ -31,7 +31,7 @@ from llmfleet.services.worker.request_spans import RunningView, running_views
 from llmfleet.shared.core.step_model import StepTimeModel
 from llmfleet.shared.wire.convert import FINISH_TO_PB, logprobs_to_pb
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
-from llmfleet.v1 import dataplane_pb2
+from llmfleet.v1 import common_pb2, dataplane_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -231,11 +231,7 @@ class IterationFacts:
             ended=ended,
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
-            num_queued_prompt_tokens=sum(
-                max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                for queue in (engine.scheduler.waiting, engine.scheduler.running)
-                for r in queue
-            ),
+            num_queued_prompt_tokens=engine.scheduler.num_queued_prompt_tokens,
             kv_usage=engine.block_manager.usage,
             prefix_queries=stats.num_queries,
             prefix_hits=stats.num_hits,
@@ -260,3 +256,33 @@ class WorkerCounters:
         if facts.prefix_hits > self.prefix_hits_reported:
             PREFIX_HITS.labels(name).inc(facts.prefix_hits - self.prefix_hits_reported)
             self.prefix_hits_reported = facts.prefix_hits
+
+
+def load_report(
+    engine: LLMEngine,
+    step_model: StepTimeModel | None,
+    *,
+    num_queued_prompt_tokens: int,
+    num_active_leases: int = 0,
+    fetch_s_per_token: float | None = None,
+) -> common_pb2.LoadReport:
+    """What a worker tells the router of its load: the engine's queues and cache, and the
+    step times it measured (`step_model`; a figure it has not measured yet is sent as 0, for
+    the router's prior). `fetch_s_per_token`: its measured kvstore fetch cost, if any."""
+    report = common_pb2.LoadReport(
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        num_free_blocks=engine.num_free_blocks,
+        num_total_blocks=engine.block_manager.num_blocks,
+        num_active_leases=num_active_leases,
+        num_queued_prompt_tokens=num_queued_prompt_tokens,
+        max_num_batched_tokens=engine.scheduler.max_num_batched_tokens,
+    )
+    if step_model is not None and step_model.num_decode_steps:
+        report.step_seconds = step_model.step_s
+        report.step_seconds_per_seq = step_model.step_s_per_seq
+    if step_model is not None and step_model.num_prefill_steps:
+        report.prefill_seconds_per_token = step_model.prefill_s_per_token
+    if fetch_s_per_token is not None:
+        report.fetch_seconds_per_token = fetch_s_per_token
+    return report

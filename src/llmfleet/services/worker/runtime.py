@@ -40,7 +40,12 @@ from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
 from llmfleet.services.worker.loop import EngineLoop, EngineThread
-from llmfleet.services.worker.outputs import IterationFacts, ReplySinks, WorkerCounters
+from llmfleet.services.worker.outputs import (
+    IterationFacts,
+    ReplySinks,
+    WorkerCounters,
+    load_report,
+)
 from llmfleet.services.worker.prefill_side import PrefillSide
 from llmfleet.services.worker.registration import Registrar
 from llmfleet.services.worker.request_spans import RequestSpans
@@ -325,23 +330,16 @@ class WorkerRuntime:
         engine = self.engine
         if engine is None:
             return common_pb2.LoadReport()
-        report = common_pb2.LoadReport(
-            num_running=engine.num_running,
-            num_waiting=engine.num_waiting,
-            num_free_blocks=engine.num_free_blocks,
-            num_total_blocks=engine.block_manager.num_blocks,
-            num_active_leases=len(self.decode.leases) if self.decode is not None else 0,
+        kvstore = self.kvstore
+        return load_report(
+            engine,
+            self.loop.step_model if self.loop is not None else None,
             num_queued_prompt_tokens=self._facts.num_queued_prompt_tokens if self._facts else 0,
+            num_active_leases=len(self.decode.leases) if self.decode is not None else 0,
+            fetch_s_per_token=kvstore.fetch_s_per_token
+            if kvstore is not None and kvstore.num_fetches
+            else None,
         )
-        model = self.loop.step_model if self.loop is not None else None
-        if model is not None and model.num_decode_steps:  # measured, not the prior
-            report.step_seconds = model.step_s
-            report.step_seconds_per_seq = model.step_s_per_seq
-        if model is not None and model.num_prefill_steps:
-            report.prefill_seconds_per_token = model.prefill_s_per_token
-        if self.kvstore is not None and self.kvstore.num_fetches:
-            report.fetch_seconds_per_token = self.kvstore.fetch_s_per_token
-        return report
 
     def _register_request(self) -> registry_pb2.RegisterWorkerRequest:
         engine = self.engine
