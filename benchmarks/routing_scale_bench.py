@@ -15,13 +15,17 @@ system prompt plus a short question of its own (`--question-tokens`), answered i
 
 Capacity: the fleet's request rate if every request found its tenant's prompt cached, measured
 first on one worker (one prefill and one decode worker, disaggregated) fed a single tenant far
-past saturation, times the workers (worker pairs). Loads are fractions of it. Each load point
-runs `--warmup-s` virtual seconds of arrivals (not measured: caches fill) then `--duration-s`
-measured ones, to the end of every request; all policies see the same arrivals.
+past saturation, times the workers (worker pairs). Loads are fractions of it. Before the load,
+every tenant's prompt is sent once (priming: the caches start cold, and a tenant's first
+request misses whatever the policy); then `--warmup-s` virtual seconds of arrivals (not
+measured) and `--duration-s` measured ones, each run to its end. All policies see the same
+arrivals.
 
-Printed per configuration and load: p50/p90/p99 TTFT, throughput (output tokens of the measured
-requests over the span from the first arrival to the 99th percentile finish), the share of prompt tokens not computed (local prefix cache or
-kvstore fetch), and p90 TTFT of round robin over each policy's. Then the acceptance checks.
+Printed per configuration and load: p50/p90/p99 TTFT, throughput (output tokens of the
+measured requests over the span from the first arrival to the 99th percentile finish), the
+share of prompt tokens not computed (local prefix cache or kvstore fetch), round robin's p90
+TTFT over each policy's, and the mean |predicted - actual| TTFT of the predicting policy. Then
+the acceptance checks.
 """
 
 from __future__ import annotations

@@ -140,3 +140,16 @@ def test_bad_simulation_settings_name_the_field(field, value):
         EngineConfig(simulate=True, **{field: value})
     with pytest.raises(ValidationError, match="^quantization"):
         EngineConfig(simulate=True, device="cuda", dtype="bfloat16", quantization="fp8")
+
+
+def test_a_virtual_clock_can_take_the_steps_time(loaded):
+    """A virtual-time harness (benchmarks/virtual_fleet.py) replaces the runner's sleep."""
+    engine = _engine(loaded, sim_step_ms=30.0, sim_decode_ms_per_seq=5.0)
+    took: list[float] = []
+    engine.runner.sleep = took.append
+    engine.add_request("r", [3] * 8, SamplingParams(max_tokens=2))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    assert time.perf_counter() - start < 0.03  # nothing slept
+    assert took == pytest.approx([0.030, 0.035])  # the prompt's step, then one decode step

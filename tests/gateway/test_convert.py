@@ -268,3 +268,10 @@ def test_chat_prompt_length_is_the_template_rendering(speller):
     # <|im_start|> "user\nhi" <|im_end|> "\n" <|im_start|> "assistant\n": 3 specials + 18 bytes
     assert speller.chat_prompt_len(messages) == 21
     assert speller.chat_prompt_len(messages, add_generation_prompt=False) == 10
+
+
+def test_the_user_field_names_the_session_for_routing():
+    assert convert.chat_call(chat(user="alice")).kwargs["session_id"] == "alice"
+    assert convert.chat_call(chat()).kwargs["session_id"] == ""
+    call = convert.completion_call(CompletionRequest(model="m", prompt="x", user="bob"))
+    assert call.kwargs["session_id"] == "bob"

@@ -180,3 +180,31 @@ def test_predicted_ttft_weighs_reported_queues_and_step_times_against_the_prefix
             assert REGISTRY.get_sample_value(ERRORS, {"policy": "predicted_ttft"}) == errors + 2
 
     run(body())
+
+
+def test_a_session_returns_to_its_worker_when_the_prediction_is_a_tie():
+    """Session affinity is a hint: equal predictions go to the session's last worker though it
+    is busier; a request without a session, or a new session, goes to the least loaded."""
+
+    async def body():
+        async with Fleet(routing_policy="predicted_ttft") as fleet:
+            a = await fleet.add_worker("a")
+            b = await fleet.add_worker("b")
+            await fleet.generate(text="hi", sampling=sampling(max_tokens=1), session_id="s")
+            assert _owner(a, b) == ["a"]  # a tie, both idle: the lower id
+            a.load.num_running = 2
+            await eventually(lambda: fleet.router.registry.get("a").load.num_running == 2)
+            await fleet.generate(text="ho", sampling=sampling(max_tokens=1), session_id="s")
+            assert _owner(a, b) == ["a", "a"]  # its session's worker, though busier
+            await fleet.generate(text="hu", sampling=sampling(max_tokens=1))
+            await fleet.generate(text="he", sampling=sampling(max_tokens=1), session_id="t")
+            assert _owner(a, b) == ["a", "a", "b", "b"]  # the least loaded
+            # ...but not against the prediction: a long queue on a sends the session away.
+            a.load.num_queued_prompt_tokens = 100_000
+            await eventually(
+                lambda: fleet.router.registry.get("a").load.num_queued_prompt_tokens == 100_000
+            )
+            await fleet.generate(text="ha", sampling=sampling(max_tokens=1), session_id="s")
+            assert _owner(a, b) == ["a", "a", "b", "b", "b"]
+
+    run(body())

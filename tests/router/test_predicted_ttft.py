@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmfleet.services.router.routing import (
     OUTCOME_PREDICTED,
     Candidate,
     PredictedTTFT,
+    imposed_delay,
     make_policy,
     predict_ttft,
+    uncached_tokens,
 )
 from llmfleet.shared.core.step_model import StepTimeModel
 
@@ -130,3 +134,59 @@ def test_decode_headroom_picks_the_faster_batch_with_room_for_the_prompt():
     assert DecodeHeadroom().choose([busy, full], BS, 512).worker_id == "busy"
     same = [cand("a", num_requests=3), cand("b", num_requests=1)]
     assert DecodeHeadroom().choose(same, BS, 64).worker_id == "b"  # a tie: the lighter
+
+
+def test_under_load_a_request_stays_with_its_prefix_rather_than_recompute_it_elsewhere():
+    """The cost adds the delay a prompt's compute puts on the requests queued behind it: a
+    shorter queue elsewhere does not pay for recomputing 1000 tokens in front of 8 others."""
+    holder = cand("a", prefix_blocks=60, queued_prompt_tokens=3000, num_queued=8)
+    other = cand("b", queued_prompt_tokens=1500, num_queued=8)
+    assert predict_ttft(other, BS, 1000) < predict_ttft(holder, BS, 1000)  # greedy: b
+    decision = PredictedTTFT().choose([holder, other], BS, 1000)
+    assert decision.worker_id == "a"
+    assert decision.predicted_ttft_s == pytest.approx(predict_ttft(holder, BS, 1000))
+    assert dict(decision.predictions) == pytest.approx(
+        {"a": predict_ttft(holder, BS, 1000), "b": predict_ttft(other, BS, 1000)}
+    )
+    # With nobody queued behind either, the request's own TTFT decides.
+    idle = [cand("a", prefix_blocks=60, queued_prompt_tokens=3000), cand("b")]
+    assert PredictedTTFT().choose(idle, BS, 1000).worker_id == "b"
+    assert imposed_delay(holder, BS, 1000, 0.0) == pytest.approx(40 * 1e-4 * 8)
+
+
+def test_the_arrival_rate_weighs_the_compute_that_later_requests_queue_behind():
+    now = [0.0]
+    policy = PredictedTTFT(clock=lambda: now[0])
+    # The holder's queue is unseen by the router's counts (num_queued 0): only the rate tells.
+    holder = cand("a", prefix_blocks=60, queued_prompt_tokens=2000)
+    spare = cand("b")
+    assert policy.choose([holder, spare], BS, 1000).worker_id == "b"  # a trickle: TTFT
+    for _ in range(200):  # 100 requests a second
+        now[0] += 0.01
+        policy.choose([holder, spare], BS, 1000)
+    assert policy.arrival_rate == pytest.approx(100, rel=0.01)
+    # 50 a second per worker arrive during b's 0.1 s recompute, 0.05 s later each on average.
+    assert imposed_delay(spare, BS, 1000, 50) == pytest.approx(0.1 * 50 * 0.1 / 2)
+    assert policy.choose([holder, spare], BS, 1000).worker_id == "a"
+
+
+def test_a_deep_queue_takes_a_step_per_token_budget_each_decoding_the_batch():
+    c = cand("w", num_requests=10, queued_prompt_tokens=5000, step_token_budget=1000)
+    # 6000 prompt tokens at 990 a step (10 decoded beside them): 7 steps.
+    assert predict_ttft(c, BS, 1000) == pytest.approx(7 * 0.02 + 6000 * 1e-4)
+    assert predict_ttft(dataclasses.replace(c, step_token_budget=0), BS, 1000) == pytest.approx(
+        0.02 + 6000 * 1e-4
+    )
+
+
+def test_uncached_tokens_are_neither_cached_there_nor_in_the_kvstore():
+    c = cand("w", prefix_blocks=32, store_blocks=48)
+    assert uncached_tokens(c, BS, 1024) == 1024 - 48 * BS
+    assert uncached_tokens(cand("w", prefix_blocks=64), BS, 1024) == 1  # its last token
+
+
+def test_a_sessions_worker_wins_ties_but_not_the_prediction():
+    home = cand("a", num_requests=6, affinity=True)
+    assert PredictedTTFT().choose([home, cand("b", num_requests=1)], BS, 100).worker_id == "a"
+    far = cand("a", num_requests=6, affinity=True, queued_prompt_tokens=4000)
+    assert PredictedTTFT().choose([far, cand("b", num_requests=1)], BS, 100).worker_id == "b"

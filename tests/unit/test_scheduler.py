@@ -120,3 +120,19 @@ def test_finish_while_waiting_frees_nothing_and_leaves_queue():
     sched.finish(b, RequestStatus.FINISHED_ABORTED)
     sched.finish(a, RequestStatus.FINISHED_ABORTED)
     assert not sched.num_unfinished and bm.num_free_blocks == 64
+
+
+def test_queued_prompt_tokens_leave_out_what_a_waiting_request_finds_cached():
+    bm, sched = make(budget=64)
+    a = req("a", 20)
+    sched.add(a)
+    assert sched.num_queued_prompt_tokens == 20
+    fake_step(sched)  # a's prompt is computed; its 5 full blocks enter the prefix cache
+    assert sched.num_queued_prompt_tokens == 0
+    b = req("b", 30)  # shares a's first 20 tokens
+    sched.add(b)
+    assert b.num_cached_on_arrival == 20
+    assert sched.num_queued_prompt_tokens == 10  # not 30: the cached prefix is not work
+    fully = req("c", 20)  # wholly cached: its last token is still computed
+    sched.add(fully)
+    assert sched.num_queued_prompt_tokens == 11

@@ -92,6 +92,7 @@ def build_request(
     add_generation_prompt: bool | None = None,
     request_id: str | None = None,
     cache_salt: str = "",
+    session_id: str = "",
 ) -> generation_pb2.GenerateRequest:
     """The GenerateRequest for these arguments; values are checked by the server."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
@@ -117,7 +118,10 @@ def build_request(
             except (TypeError, ValueError) as exc:
                 raise ValidationError(name, f"bad value {value!r}: {exc}") from None
     req = generation_pb2.GenerateRequest(
-        request_id=request_id or "", sampling=sampling, cache_salt=cache_salt
+        request_id=request_id or "",
+        sampling=sampling,
+        cache_salt=cache_salt,
+        session_id=session_id,
     )
     if token_ids is not None:
         req.tokens.token_ids.extend(_token_ids("token_ids", token_ids))

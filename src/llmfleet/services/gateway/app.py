@@ -138,8 +138,15 @@ async def _context_left(up: Upstream, served: ServedModel, call: Call) -> int:
     return convert.default_max_tokens(num, served.info.max_model_len)
 
 
+# Names a request's conversation: its turns prefer the worker that served the last (over the
+# body's `user`, which names it otherwise).
+SESSION_HEADER = "x-session-id"
+
+
 async def _generate(call: Call, served: ServedModel, up: Upstream, request: Request) -> Response:
     """`_answer` under the request's span (tracing.py), which a stream ends when it ends."""
+    if session := request.headers.get(SESSION_HEADER):  # the conversation, a routing hint
+        call.kwargs["session_id"] = session
     span = start_request_span(request, call, served.name)
     try:
         with trace.use_span(span, end_on_exit=False):

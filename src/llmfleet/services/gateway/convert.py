@@ -92,6 +92,7 @@ def _common(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
         "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "session_id": req.user or "",
     }
 
 

@@ -56,7 +56,7 @@ class _Sampling(_Body):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None  # accepted for compatibility; not used
+    user: str | None = None  # the session for routing, unless the X-Session-ID header names one
     logit_bias: dict[str, float] | None = None
     # vLLM extras.
     top_k: int | None = None

@@ -223,7 +223,7 @@ class Router:
                 run = RequestRun(
                     request_id, prompt_ids, params, req.cache_salt, model, hashes, completions
                 )
-                run.trace = trace_ctx
+                run.trace, run.session_id = trace_ctx, req.session_id
                 run.aborted = self._pending.pop(request_id)
                 self.runs[request_id] = run
                 for c in completions:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -49,6 +50,7 @@ from llmfleet.v1 import dataplane_pb2, worker_pb2
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
+MAX_SESSIONS = 1 << 16  # sessions whose latest worker the router remembers (least recent go)
 _ADD_TIMEOUT_S = 60.0
 # Worker answers that say "this request is wrong" rather than "not here, try elsewhere".
 FINAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
@@ -81,6 +83,7 @@ def candidate(
     num_prefilling_sent: int,
     prefix_blocks: int,
     store_blocks: int,
+    affinity: bool = False,
 ) -> Candidate:
     """A worker as the routing policies see it: its last load report, raised to what this
     router has sent it since (`num_sent` requests, of which `num_prefilling_sent` have no first
@@ -101,6 +104,7 @@ def candidate(
         prefill_s_per_token=load.prefill_seconds_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
         fetch_s_per_token=load.fetch_seconds_per_token or DEFAULT_FETCH_S_PER_TOKEN,
         num_queued=max(load.num_waiting, num_prefilling_sent),
+        affinity=affinity,
     )
 
 
@@ -129,6 +133,8 @@ class Placement:
         self._prefilling: dict[str, tuple[int, int]] = {}
         self.store: StoreView | None = None  # what the kvstore holds (server.py sets it)
         self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
+        # session id -> the worker its latest request was routed to (least recent first)
+        self._sessions: OrderedDict[str, str] = OrderedDict()
 
     @property
     def serving_role(self) -> str:
@@ -139,6 +145,7 @@ class Placement:
     ) -> list[Candidate]:
         out = []
         store = self.store.matched_prefix(hashes) if use_prefix and self.store else 0
+        session = self._sessions.get(run.session_id) if use_prefix and run.session_id else None
         for w in self.registry.live(role):
             if w.worker_id in run.excluded:
                 continue
@@ -152,6 +159,7 @@ class Placement:
                     num_prefilling_sent=self._prefilling.get(w.worker_id, (0, 0))[1],
                     prefix_blocks=prefix,
                     store_blocks=store,
+                    affinity=w.worker_id == session,
                 )
             )
         return out
@@ -186,12 +194,21 @@ class Placement:
             decision.matched_prefix_tokens,
         )
         if policy.needs_prefix:  # (a decode pick for a lease does not count prefixes)
+            self._remember_session(run.session_id, decision.worker_id)
             run.routed_uncached_tokens = uncached_tokens(
                 pick, run.model.block_size, len(prompt_ids)
             )
         if decision.predicted_ttft_s is not None and run.first_token_at is None:
             run.predicted_ttft = (decision.policy, time.perf_counter(), decision.predicted_ttft_s)
         return decision.worker_id
+
+    def _remember_session(self, session_id: str, worker_id: str) -> None:
+        if not session_id:
+            return
+        self._sessions[session_id] = worker_id
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
 
     def new_leg(
         self, run: RequestRun, worker_id: str, indices: tuple[int, ...], prefill_tokens: int = 0

@@ -114,6 +114,7 @@ class RequestRun:
     # prompt tokens the latest prefix-counting decision's worker computes (not cached there,
     # not fetched from the kvstore); 0: no such decision yet
     routed_uncached_tokens: int = 0
+    session_id: str = ""  # the client's conversation id: a routing hint (placement.py)
     predicted_ttft: tuple[str, float, float] | None = None  # policy, routed at, predicted s
     _carried: object | None = None  # taken from `events` by next_event, not handled yet
 

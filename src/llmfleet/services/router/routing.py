@@ -12,7 +12,9 @@ and asks a policy to choose. Every choice comes with a `RouteDecision` for metri
 - `PredictedTTFT`: the worker with the least predicted latency cost: the request's predicted
   time to first token there, plus the delay its prompt compute puts on the requests that will
   queue behind it (below). Ties (within one decode step of the least: below what the
-  prediction resolves) go to the least loaded. No thresholds: its coefficients are each
+  prediction resolves) go to the worker that served the request's session last (its
+  `affinity` hint: the conversation's KV is there, though the KV index may not show it yet),
+  then to the least loaded. No thresholds: its coefficients are each
   worker's own measured step times (`StepTimeModel`, in the worker's load reports).
 - `DecodeHeadroom`: for a disaggregated request's decode worker (the prompt's KV arrives by
   push, so no prefix counts): the least predicted decode step once the request joins
@@ -92,6 +94,7 @@ class Candidate:
     step_s_per_seq: float = 0.0  # what each sequence in its batch adds to a step
     num_queued: int = 0  # requests there without a first token yet
     step_token_budget: int = 0  # tokens a step computes at most (0: unknown, one step)
+    affinity: bool = False  # served the request's session last (a hint: wins ties)
 
 
 @dataclass(frozen=True)
@@ -243,8 +246,11 @@ def _least_loaded_within(
     scored: Sequence[tuple[float, Candidate]], limit: float
 ) -> tuple[float, Candidate]:
     """Of the candidates predicted at most `limit` (ties with the least), the least loaded,
-    with its prediction."""
-    return min(((t, c) for t, c in scored if t <= limit), key=lambda tc: _load_key(tc[1]))
+    with its prediction; a session's own worker first (DecodeHeadroom's candidates have none)."""
+    return min(
+        ((t, c) for t, c in scored if t <= limit),
+        key=lambda tc: (not tc[1].affinity, *_load_key(tc[1])),
+    )
 
 
 def predict_decode_step(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
