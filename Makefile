@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all env run test test-gpu lint format bench bench-serve bench-gpu clean proto
+.PHONY: all env run test test-gpu lint format bench bench-serve bench-routing bench-gpu clean proto
 
 all: test
 
@@ -60,6 +60,11 @@ bench: $(STAMP)
 # `llmfleet bench serve` on the prefix-repetition dataset, TTFT side by side.
 bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/routing_bench.py
+
+# Routing policies at 8 and 32 simulated workers in virtual time (the full sweep: about an hour
+# on 2 cores; `--quick` for 8 workers at two loads).
+bench-routing: $(STAMP)
+	$(BIN)/python benchmarks/routing_scale_bench.py
 
 bench-gpu:
 	python3 benchmarks/kernels/bench_attention.py

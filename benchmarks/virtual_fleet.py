@@ -193,11 +193,12 @@ class VirtualWorker:
         self.requests[r.rid] = r
         store = self.fleet.store
         if store is not None:
+            # as KVStoreSync.fetch_prefix: the store's part of the chain, if longer than ours
             local = self.engine.kv.num_cached_prefix_blocks(r.hashes)
-            held = store.lookup(_LAYOUT, r.hashes[local:])
-            if held:
+            held = store.lookup(_LAYOUT, r.hashes)
+            if held > local:
                 asked = self.fleet.clock.now
-                chain = r.hashes[local : local + held]
+                chain = r.hashes[:held]
                 num_got = len(store.get(_LAYOUT, chain))
                 self.fleet.store_changed()
 

@@ -283,13 +283,19 @@ class BlockManager:
 
         Returns (index into `block_hashes`, block id) for each block the caller must now fill
         with KV content (before anything can read it: the engine does both between steps).
-        Imported blocks go to the MRU end of the free queue, like any freed cached block; at
-        most `num_free_blocks` are imported so an import never evicts its own blocks.
+        Imported blocks go to the MRU end of the free queue, like any freed cached block. The
+        chain's blocks cached already (a local prefix the import extends) are first moved there
+        too, its head last, and are not counted as room: an import never evicts its own chain.
         """
         if not self.enable_prefix_caching:
             return []
+        kept = [b for h in reversed(block_hashes) if (b := self.cached.get(h)) is not None]
+        for b in kept:  # (the tail first, so the chain's head ends most recently used)
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+                self.free_queue.append(b)
         out: list[tuple[int, int]] = []
-        budget = self.num_free_blocks
+        budget = self.num_free_blocks - sum(1 for b in kept if b.ref_cnt == 0)
         for i, h in enumerate(block_hashes):
             if h in self.cached:
                 continue

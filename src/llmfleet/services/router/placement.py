@@ -28,7 +28,6 @@ from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, Load, W
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
 from llmfleet.services.router.routing import (
-    DEFAULT_FETCH_S_PER_TOKEN,
     Candidate,
     Policy,
     uncached_tokens,
@@ -39,7 +38,6 @@ from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, ValidationError
 from llmfleet.shared.core.sampling_params import SamplingParams
-from llmfleet.shared.core.step_model import DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_STEP_S
 from llmfleet.shared.wire.convert import sampling_to_pb
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
@@ -91,18 +89,19 @@ def candidate(
     request's cached prefix there and in the kvstore."""
     return Candidate(
         worker_id,
-        max(load.num_requests, num_sent),
+        # (a disaggregated prefill in flight is no leg: it counts among those prefilling)
+        max(load.num_requests, num_sent, num_prefilling_sent),
         load.num_free_blocks,
         prefix_blocks,
         num_total_blocks=load.num_total_blocks,
         store_blocks=store_blocks,
         queued_prompt_tokens=max(load.num_queued_prompt_tokens, prompt_tokens_sent),
-        # what the worker measured; the priors until it has (reported as 0)
-        step_s=load.step_seconds or DEFAULT_STEP_S,
+        # what the worker measured; 0 until it has (the scorers fill in: routing.py)
+        step_s=load.step_seconds,
         step_s_per_seq=load.step_seconds_per_seq,
         step_token_budget=load.max_num_batched_tokens,
-        prefill_s_per_token=load.prefill_seconds_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
-        fetch_s_per_token=load.fetch_seconds_per_token or DEFAULT_FETCH_S_PER_TOKEN,
+        prefill_s_per_token=load.prefill_seconds_per_token,
+        fetch_s_per_token=load.fetch_seconds_per_token,
         num_queued=max(load.num_waiting, num_prefilling_sent),
         affinity=affinity,
     )

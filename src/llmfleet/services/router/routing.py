@@ -56,6 +56,7 @@ with its hit rate.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ class Candidate:
     num_total_blocks: int = 0  # 0: unknown (no pressure term)
     queued_prompt_tokens: int = 0  # admitted there, not computed yet
     store_blocks: int = 0  # request's prefix the kvstore holds, in blocks (any worker fetches)
+    # Measured by the worker; 0: not yet (the scorers use their measured peers' mean, else the
+    # priors, which are the defaults).
     step_s: float = DEFAULT_STEP_S
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
     fetch_s_per_token: float = DEFAULT_FETCH_S_PER_TOKEN
@@ -205,6 +208,7 @@ class PredictedTTFT:
         self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
     ) -> RouteDecision:
         _require(candidates)
+        candidates = with_peer_costs(candidates)
         now = self._clock()
         if self._last is not None:
             self._gap_s = mix(self._gap_s, max(0.0, now - self._last), self._num_gaps, 0.02)
@@ -236,10 +240,37 @@ class DecodeHeadroom:
         self, candidates: Sequence[Candidate], block_size: int, num_prompt_tokens: int = 0
     ) -> RouteDecision:
         _require(candidates)
+        candidates = with_peer_costs(candidates)
         scored = [(predict_decode_step(c, block_size, num_prompt_tokens), c) for c in candidates]
         best = min(t for t, _ in scored)
         _, pick = _least_loaded_within(scored, best * (1 + TIE_FRACTION))
         return RouteDecision(self.name, pick.worker_id, 0, OUTCOME_PREDICTED)
+
+
+def with_peer_costs(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    """Candidates whose worker has not measured a cost yet (0) with their measured peers' mean
+    (the same model, most likely on like hardware), or the prior when no peer has measured it:
+    a new worker is neither a bargain nor a risk until its own steps say so."""
+
+    def mean(field: str, prior: float) -> float:
+        measured = [v for c in candidates if (v := getattr(c, field)) > 0]
+        return sum(measured) / len(measured) if measured else prior
+
+    if all(c.step_s and c.prefill_s_per_token and c.fetch_s_per_token for c in candidates):
+        return candidates
+    step = mean("step_s", DEFAULT_STEP_S)
+    per_seq = [c.step_s_per_seq for c in candidates if c.step_s > 0]
+    filled = {
+        "prefill_s_per_token": mean("prefill_s_per_token", DEFAULT_PREFILL_S_PER_TOKEN),
+        "fetch_s_per_token": mean("fetch_s_per_token", DEFAULT_FETCH_S_PER_TOKEN),
+    }
+    out = []
+    for c in candidates:
+        changes = {f: v for f, v in filled.items() if getattr(c, f) <= 0}
+        if c.step_s <= 0:  # no decode step measured: neither its base nor its slope
+            changes.update(step_s=step, step_s_per_seq=sum(per_seq) / max(1, len(per_seq)))
+        out.append(dataclasses.replace(c, **changes) if changes else c)
+    return out
 
 
 def _least_loaded_within(

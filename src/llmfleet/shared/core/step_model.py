@@ -47,6 +47,10 @@ class StepTimeModel:
         if prefill_tokens == 0:
             if decode_seqs == 0:
                 return
+            if not self.num_decode_steps:
+                # The first base seen: what prompt steps taught before it charged them the
+                # whole step; their average starts over from the next one.
+                self.num_prefill_steps = 0
             self._fit(float(decode_seqs), seconds)
             return
         # Before any decode-only step, the whole step is put on its prompt tokens.
