@@ -14,16 +14,18 @@ from llmfleet.services.router.routing import (
     make_policy,
     predict_ttft,
     uncached_tokens,
+    with_peer_costs,
 )
-from llmfleet.shared.core.step_model import StepTimeModel
+from llmfleet.shared.core.step_model import DEFAULT_STEP_S, StepTimeModel
 
 BS = 16
 
 
 def cand(wid: str, **kw: object) -> Candidate:
     base = {"num_requests": 0, "num_free_blocks": 1000, "num_total_blocks": 1000}
+    base.update(step_s=0.02, prefill_s_per_token=1e-4, fetch_s_per_token=1e-5)
     base.update(kw)
-    return Candidate(wid, step_s=0.02, prefill_s_per_token=1e-4, fetch_s_per_token=1e-5, **base)  # type: ignore[arg-type]
+    return Candidate(wid, **base)  # type: ignore[arg-type]
 
 
 def test_prediction_adds_queue_compute_fetch_and_pressure():
@@ -190,3 +192,32 @@ def test_a_sessions_worker_wins_ties_but_not_the_prediction():
     assert PredictedTTFT().choose([home, cand("b", num_requests=1)], BS, 100).worker_id == "a"
     far = cand("a", num_requests=6, affinity=True, queued_prompt_tokens=4000)
     assert PredictedTTFT().choose([far, cand("b", num_requests=1)], BS, 100).worker_id == "b"
+
+
+def test_a_worker_that_has_not_measured_is_scored_with_its_peers_costs():
+    """Unmeasured costs (0) take the measured peers' mean, not the prior: on a CPU the prior
+    prefill cost is 20x too low, which sent every request to the new worker."""
+    measured = cand("a", prefill_s_per_token=2e-3, step_s=0.07, step_s_per_seq=0.01)
+    new = Candidate("b", 0, 1000, 0, 1000, step_s=0, prefill_s_per_token=0, fetch_s_per_token=0)
+    filled = {c.worker_id: c for c in with_peer_costs([measured, new])}
+    assert (filled["b"].step_s, filled["b"].step_s_per_seq) == (0.07, 0.01)
+    assert filled["b"].prefill_s_per_token == 2e-3 and filled["b"].fetch_s_per_token == 1e-5
+    assert filled["a"] is measured
+    # Nobody measured: the priors.
+    [alone] = with_peer_costs([new])
+    assert (alone.step_s, alone.prefill_s_per_token) == (DEFAULT_STEP_S, 1e-4)
+    # So equal queues are a tie (to the less loaded), not a rush to the unmeasured worker.
+    busy_new = dataclasses.replace(new, num_requests=3, queued_prompt_tokens=1000)
+    busy_old = dataclasses.replace(measured, num_requests=1, queued_prompt_tokens=1000)
+    assert PredictedTTFT().choose([busy_old, busy_new], BS, 300).worker_id == "a"
+
+
+def test_prompt_steps_before_the_first_decode_step_are_forgotten_once_the_base_is_known():
+    m = StepTimeModel()
+    for _ in range(5):  # a 70 ms base, all charged to 16 prompt tokens: 4.4 ms a token
+        m.observe(0.070 + 16 * 1.8e-3, prefill_tokens=16, decode_seqs=0)
+    assert m.prefill_s_per_token == pytest.approx(0.0988 / 16)
+    m.observe(0.070, prefill_tokens=0, decode_seqs=1)
+    assert m.num_prefill_steps == 0  # reported as not measured until the next prompt step
+    m.observe(0.070 + 100 * 1.8e-3, prefill_tokens=100, decode_seqs=0)
+    assert m.prefill_s_per_token == pytest.approx(1.8e-3, rel=0.05)

@@ -158,3 +158,24 @@ def test_held_cached_blocks_are_not_evicted_until_let_go():
     with pytest.raises(ValueError):
         bm.hold_cached("small", hashes)  # an owner holds one table
     assert bm.hold_cached("x", [b"\0" * 32]) is None and "x" not in bm.req_blocks
+
+
+def test_an_import_never_evicts_the_cached_prefix_it_extends():
+    """A kvstore fetch imports a chain whose head is cached here: taking blocks for its tail
+    must not evict that head (the LRU free blocks), or the fetch loses what it extends."""
+    bm = BlockManager(8, BS)
+    a = req("a", list(range(12)))  # 3 full blocks, then freed: cached, LRU first
+    compute_all(bm, a)
+    bm.free(a)
+    chain = req("c", list(range(24))).block_hashes  # a's 3 blocks and 3 more
+    assert bm.num_cached_prefix(chain) == 3
+    placed = bm.import_blocks(chain)
+    assert [i for i, _ in placed] == [3, 4, 5]
+    assert bm.num_cached_prefix(chain) == 6  # the head survived its tail's import
+    # With room for only part of the tail, it imports that part and still keeps the head.
+    bm2 = BlockManager(5, BS)
+    b = req("b", list(range(12)))
+    compute_all(bm2, b)
+    bm2.free(b)
+    assert [i for i, _ in bm2.import_blocks(chain)] == [3, 4]
+    assert bm2.num_cached_prefix(chain) == 5
