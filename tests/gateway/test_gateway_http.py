@@ -108,3 +108,28 @@ def test_served_model_name_renames_the_model():
         assert (e.value.status, e.value.param, e.value.code) == (404, "model", "model_not_found")
 
     asyncio.run(check())
+
+
+def test_the_session_header_or_the_user_field_reaches_the_router(base_url, monkeypatch):
+    """X-Session-ID names the conversation for routing; without it, the body's `user`."""
+    from llmfleet.client.generation import AsyncGenerationClient
+    from llmfleet.services.gateway.upstream import ServedModel
+    from llmfleet.shared.core.errors import ValidationError
+
+    info = ModelInfo("m", "LlamaForCausalLM", 260, 2048, (256,), 16, 20, 16)
+    sent: list[str] = []
+
+    async def require(self, requested):
+        return ServedModel("m", info, 0)
+
+    def stream(self, prompt=None, *, timeout=None, **kwargs):
+        sent.append(kwargs["session_id"])
+        raise ValidationError("prompt", "recorded")  # a 400: the call goes no further
+
+    monkeypatch.setattr(Upstream, "require", require)
+    monkeypatch.setattr(AsyncGenerationClient, "stream", stream)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1, "user": "alice"}
+    for headers in ({"X-Session-ID": "conversation-7"}, {}):
+        resp = httpx2.post(f"{base_url}/completions", json=body, headers=headers)
+        assert resp.status_code == 400
+    assert sent == ["conversation-7", "alice"]
