@@ -14,8 +14,9 @@ and asks a policy to choose. Every choice comes with a `RouteDecision` for metri
   queue behind it (below). Ties (within one decode step of the least: below what the
   prediction resolves) go to the worker that served the request's session last (its
   `affinity` hint: the conversation's KV is there, though the KV index may not show it yet),
-  then to the least loaded. No thresholds: its coefficients are each
-  worker's own measured step times (`StepTimeModel`, in the worker's load reports).
+  then to the least loaded. No thresholds: its coefficients are each worker's own measured
+  step times (`StepTimeModel`, in the worker's load reports); a worker that has not measured
+  one yet is scored with its measured peers' mean (`with_peer_costs`), else the prior.
 - `DecodeHeadroom`: for a disaggregated request's decode worker (the prompt's KV arrives by
   push, so no prefix counts): the least predicted decode step once the request joins
   (`step_s + (requests + 1) * step_s_per_seq`) plus the same KV-pressure term, ties to the
