@@ -27,11 +27,7 @@ from llmfleet.services.router import metrics, spans
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, Load, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
-from llmfleet.services.router.routing import (
-    Candidate,
-    Policy,
-    uncached_tokens,
-)
+from llmfleet.services.router.routing import Candidate, Policy, uncached_tokens
 from llmfleet.services.router.store_view import StoreView
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
