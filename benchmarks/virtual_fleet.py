@@ -343,6 +343,7 @@ class VirtualFleet:
             self._prefilling(w, r, 1)
             w.admit(r)
             return
+        self._prefilling(w, r, 1)  # (its wait for a prefill slot included, as the router's)
         w.slot_waiters.append(r)
         self._handoffs(w)
 
@@ -362,12 +363,12 @@ class VirtualFleet:
         try:
             d.engine.kv.reserve(_lease(r), len(r.prompt))
         except CapacityError:  # wait for the decode worker to free KV, then route again
+            self._prefilling(p, r, -1)
             d.capacity_waiters.append(r)
             return
         p.prefills_in_flight += 1
         r.decode_worker = d
         self.sent[d.id] += 1
-        self._prefilling(p, r, 1)  # until the Prefill RPC returns
         p.admit(r, prefill_only=True)
 
     def on_output(self, w: VirtualWorker, out: RequestOutput) -> None:

@@ -123,17 +123,22 @@ class LeaseHandoff:
                 return None
             prefill_id = placement.route(run, ROLE_PREFILL, run.prompt_ids)
             full: str | None = None
-            async with self._slot(prefill_id):
-                if run.aborted:
-                    return None
-                decode_id = placement.route(run, ROLE_DECODE, run.prompt_ids, self._decode_policy)
-                try:
-                    pre = await self._attempt(run, decode_id, prefill_id)
-                except _DecodeFull:
-                    full = decode_id
-                except _AttemptFailed as failed:
-                    placement.retry(run, failed.worker_id, failed.why, failed.code)
-                    continue
+            # In the prefill worker's queue for routing from here, its wait for a slot included.
+            uncached = run.routed_uncached_tokens or len(run.prompt_ids)
+            with placement.prefilling(prefill_id, uncached):
+                async with self._slot(prefill_id):
+                    if run.aborted:
+                        return None
+                    decode_id = placement.route(
+                        run, ROLE_DECODE, run.prompt_ids, self._decode_policy
+                    )
+                    try:
+                        pre = await self._attempt(run, decode_id, prefill_id)
+                    except _DecodeFull:
+                        full = decode_id
+                    except _AttemptFailed as failed:
+                        placement.retry(run, failed.worker_id, failed.why, failed.code)
+                        continue
             if full is not None:
                 # Back-pressure, not failure: the request waits in the router until the
                 # decode worker frees KV, holding no lease and no prefill slot meanwhile.
@@ -184,12 +189,10 @@ class LeaseHandoff:
             },
         )
         md = metadata(trace.set_span_in_context(span, run.trace))
-        uncached = run.routed_uncached_tokens or len(run.prompt_ids)  # as the prefill was routed
         try:
-            with self.placement.prefilling(prefill_id, uncached):
-                pre = await self._lease_and_prefill(
-                    run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
-                )
+            pre = await self._lease_and_prefill(
+                run, wire_id, (decode_id, d_stub), (prefill_id, p_stub), md
+            )
         except (_AttemptFailed, _DecodeFull) as failed:
             _end_lease_span(span, None, None, str(failed))
             raise
