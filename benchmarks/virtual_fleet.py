@@ -10,7 +10,7 @@ What runs is the fleet's own code:
     scheduler, block manager, prefix cache and KV events;
   - it reports load as a worker does (`outputs.load_report`, with the `StepTimeModel` it learns
     from its own steps and its measured kvstore fetch cost);
-  - the router's routing is the router's: the policies, `placement.candidate` over those load
+  - the router's routing is the router's: the policies, `placement.RoutedLoad` over those load
     reports plus what the router sent since, the `KVIndex` fed by the engines' KV events;
   - with the kvstore, the kvstore's `BlockStore` (LRU) and the router's view of it (its events);
   - disaggregated, the router's handoff order: prefill worker by the policy, at most
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,7 +36,7 @@ from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.kvstore.store import BlockStore
-from llmfleet.services.router.placement import candidate
+from llmfleet.services.router.placement import RoutedLoad
 from llmfleet.services.router.registry import Load
 from llmfleet.services.router.routing import (
     DecodeHeadroom,
@@ -273,10 +273,7 @@ class VirtualFleet:
             self.index.add_publisher(w.id)
         if self.store is not None:
             self.store_view.add_publisher(_STORE)
-        self.sent: dict[str, int] = defaultdict(int)  # requests the router placed, not ended
-        # of those, the ones without a first token yet, and their prompt tokens to compute
-        self.prefilling_sent: dict[str, int] = defaultdict(int)
-        self.prompt_sent: dict[str, int] = defaultdict(int)
+        self.routed = RoutedLoad()  # the router's own counts, as Placement keeps them
         self.done: list[SimRequest] = []
 
     def _snapshot(self, publisher: str) -> None:
@@ -318,12 +315,9 @@ class VirtualFleet:
         hashes = r.hashes if policy.needs_prefix else []
         store = self.store_view.matched_prefix(_STORE, hashes) if self.store and hashes else 0
         cands = [
-            candidate(
+            self.routed.candidate(
                 w.id,
                 w.load,
-                num_sent=self.sent[w.id],
-                prompt_tokens_sent=self.prompt_sent[w.id],
-                num_prefilling_sent=self.prefilling_sent[w.id],
                 prefix_blocks=self.index.matched_prefix(w.id, hashes) if hashes else 0,
                 store_blocks=store,
             )
@@ -339,7 +333,7 @@ class VirtualFleet:
         if r.predicted_ttft is None:
             r.predicted_ttft = decision.predicted_ttft_s
         if not self.shape.disaggregated:
-            self.sent[w.id] += 1
+            self.routed.sent(w.id, 1)
             self._prefilling(w, r, 1)
             w.admit(r)
             return
@@ -349,8 +343,7 @@ class VirtualFleet:
 
     def _prefilling(self, w: VirtualWorker, r: SimRequest, sign: int) -> None:
         """`r`'s prompt enters (1) or leaves (-1) `w`'s queue as the router counts it."""
-        self.prefilling_sent[w.id] += sign
-        self.prompt_sent[w.id] += sign * r.uncached_tokens
+        self.routed.prefill(w.id, sign * r.uncached_tokens, sign)
 
     def _handoffs(self, p: VirtualWorker) -> None:
         """Start the handoffs waiting for `p`'s prefill slots while it has free ones."""
@@ -368,7 +361,7 @@ class VirtualFleet:
             return
         p.prefills_in_flight += 1
         r.decode_worker = d
-        self.sent[d.id] += 1
+        self.routed.sent(d.id, 1)
         p.admit(r, prefill_only=True)
 
     def on_output(self, w: VirtualWorker, out: RequestOutput) -> None:
@@ -420,7 +413,7 @@ class VirtualFleet:
     def _ended(self, w: VirtualWorker) -> None:
         """A request left `w`: the router's count drops, and whoever waits for its KV tries
         again."""
-        self.sent[w.id] -= 1
+        self.routed.sent(w.id, -1)
         waiters, w.capacity_waiters = w.capacity_waiters, []
         for r in waiters:
             self._route(r)

@@ -115,10 +115,12 @@ def test_a_prefill_in_flight_counts_in_its_workers_queue_for_routing():
             p.prefill_gate = asyncio.Event()
             call = asyncio.create_task(fleet.generate(text=LONG, sampling=sampling(max_tokens=2)))
             await eventually(lambda: p.names() == ["Prefill"])
-            assert fleet.router.placement._prefilling == {"p": (len(LONG), 1)}  # tokens, requests
+            assert fleet.router.placement.routed.prefilling == {
+                "p": (len(LONG), 1)
+            }  # tokens, requests
             p.prefill_gate.set()
             _, text = await call
             assert text == letters(len(LONG), 2)
-            assert fleet.router.placement._prefilling == {}
+            assert fleet.router.placement.routed.prefilling == {}
 
     run(body())

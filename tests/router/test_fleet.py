@@ -175,7 +175,7 @@ def test_predicted_ttft_weighs_reported_queues_and_step_times_against_the_prefix
             await fleet.generate(text=PROMPT, sampling=sampling(max_tokens=1))
             assert _owner(a, b) == ["a", "b"]
             placement = fleet.router.placement
-            assert placement._prefilling == {}  # answered: nothing counted as queued
+            assert placement.routed.prefilling == {}  # answered: nothing counted as queued
             # each first token measured the prediction's error
             assert REGISTRY.get_sample_value(ERRORS, {"policy": "predicted_ttft"}) == errors + 2
 

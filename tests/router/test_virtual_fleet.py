@@ -58,7 +58,7 @@ def test_every_request_is_answered_in_full_on_the_virtual_clock(loaded, shape):
     for w in fleet.by_id.values():
         assert not w.requests and not w.engine.has_unfinished()
         assert w.engine.num_free_blocks == CALIB.num_kv_blocks
-    assert sum(fleet.sent.values()) == 0 and sum(fleet.prompt_sent.values()) == 0
+    assert fleet.routed.requests == {} and fleet.routed.prefilling == {}
 
 
 def test_same_arrivals_same_figures(loaded):

@@ -68,39 +68,64 @@ def mark_submitted(run: RequestRun) -> None:
         NUM_REQUESTS_RUNNING.labels(run.model.model_id).inc()
 
 
-def candidate(
-    worker_id: str,
-    load: Load,
-    *,
-    num_sent: int,
-    prompt_tokens_sent: int,
-    num_prefilling_sent: int,
-    prefix_blocks: int,
-    store_blocks: int,
-    affinity: bool = False,
-) -> Candidate:
-    """A worker as the routing policies see it: its last load report, raised to what this
-    router has sent it since (`num_sent` requests, of which `num_prefilling_sent` have no first
-    token yet, with `prompt_tokens_sent` prompt tokens to compute) when that is more, and the
-    request's cached prefix there and in the kvstore."""
-    return Candidate(
-        worker_id,
-        # (a disaggregated prefill in flight is no leg: it counts among those prefilling)
-        max(load.num_requests, num_sent, num_prefilling_sent),
-        load.num_free_blocks,
-        prefix_blocks,
-        num_total_blocks=load.num_total_blocks,
-        store_blocks=store_blocks,
-        queued_prompt_tokens=max(load.num_queued_prompt_tokens, prompt_tokens_sent),
-        # what the worker measured; 0 until it has (the scorers fill in: routing.py)
-        step_s=load.step_seconds,
-        step_s_per_seq=load.step_seconds_per_seq,
-        step_token_budget=load.max_num_batched_tokens,
-        prefill_s_per_token=load.prefill_seconds_per_token,
-        fetch_s_per_token=load.fetch_seconds_per_token,
-        num_queued=max(load.num_waiting, num_prefilling_sent),
-        affinity=affinity,
-    )
+class RoutedLoad:
+    """What this router has sent each worker that its load reports may not show yet: requests
+    not ended there (legs, or decode leases), and of those the ones without a first token yet
+    with their prompt tokens to compute (a disaggregated prefill in flight, or waiting for a
+    slot, counts here too). Pure bookkeeping; `candidate` turns it into routing's view."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}  # worker id -> requests not ended
+        self.prefilling: dict[str, tuple[int, int]] = {}  # worker id -> (tokens, requests)
+
+    def sent(self, worker_id: str, requests: int) -> None:
+        """`requests` (1 or -1) more not ended on `worker_id`."""
+        left = self.requests.get(worker_id, 0) + requests
+        if left > 0:
+            self.requests[worker_id] = left
+        else:
+            self.requests.pop(worker_id, None)
+
+    def prefill(self, worker_id: str, tokens: int, requests: int) -> None:
+        """`requests` (1 or -1) with `tokens` prompt tokens enter or leave `worker_id`'s
+        queue."""
+        had_tokens, had_requests = self.prefilling.get(worker_id, (0, 0))
+        left = (had_tokens + tokens, had_requests + requests)
+        if left[1] > 0:
+            self.prefilling[worker_id] = left
+        else:
+            self.prefilling.pop(worker_id, None)
+
+    def candidate(
+        self,
+        worker_id: str,
+        load: Load,
+        *,
+        prefix_blocks: int,
+        store_blocks: int,
+        affinity: bool = False,
+    ) -> Candidate:
+        """A worker as the routing policies see it: its last load report, raised to what this
+        router has sent it since when that is more, and the request's cached prefix there and
+        in the kvstore."""
+        tokens, prefilling = self.prefilling.get(worker_id, (0, 0))
+        return Candidate(
+            worker_id,
+            max(load.num_requests, self.requests.get(worker_id, 0), prefilling),
+            load.num_free_blocks,
+            prefix_blocks,
+            num_total_blocks=load.num_total_blocks,
+            store_blocks=store_blocks,
+            queued_prompt_tokens=max(load.num_queued_prompt_tokens, tokens),
+            # what the worker measured; 0 until it has (the scorers fill in: routing.py)
+            step_s=load.step_seconds,
+            step_s_per_seq=load.step_seconds_per_seq,
+            step_token_budget=load.max_num_batched_tokens,
+            prefill_s_per_token=load.prefill_seconds_per_token,
+            fetch_s_per_token=load.fetch_seconds_per_token,
+            num_queued=max(load.num_waiting, prefilling),
+            affinity=affinity,
+        )
 
 
 class Placement:
@@ -122,10 +147,7 @@ class Placement:
         self.replies = replies
         self.policy = policy
         self._on_broken = on_broken
-        self._inflight: dict[str, int] = {}  # worker id -> legs the router placed there
-        # worker id -> (prompt tokens, requests) of the legs placed there (and disaggregated
-        # prefills sent there) that have no output yet
-        self._prefilling: dict[str, tuple[int, int]] = {}
+        self.routed = RoutedLoad()  # legs placed, prompts not yet answered, per worker
         self.store: StoreView | None = None  # what the kvstore holds (server.py sets it)
         self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
         # session id -> the worker its latest request was routed to (least recent first)
@@ -146,12 +168,9 @@ class Placement:
                 continue
             prefix = self.kv.index.matched_prefix(w.worker_id, hashes) if use_prefix else 0
             out.append(
-                candidate(
+                self.routed.candidate(
                     w.worker_id,
                     w.load,
-                    num_sent=self._inflight.get(w.worker_id, 0),
-                    prompt_tokens_sent=self._prefilling.get(w.worker_id, (0, 0))[0],
-                    num_prefilling_sent=self._prefilling.get(w.worker_id, (0, 0))[1],
                     prefix_blocks=prefix,
                     store_blocks=store,
                     affinity=w.worker_id == session,
@@ -215,9 +234,9 @@ class Placement:
         run.used(worker_id)
         leg = Leg(wire_id, worker_id, indices, prefill_tokens=max(0, prefill_tokens))
         run.legs[wire_id] = leg
-        self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+        self.routed.sent(worker_id, 1)
         if leg.prefill_tokens:
-            self._count_prefilling(worker_id, leg.prefill_tokens, 1)
+            self.routed.prefill(worker_id, leg.prefill_tokens, 1)
         events = run.events
 
         def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
@@ -251,26 +270,18 @@ class Placement:
 
     def _prefilled(self, leg: Leg) -> None:
         """`leg`'s prompt left its worker's queue (first output, or the leg closed)."""
-        self._count_prefilling(leg.worker_id, -leg.prefill_tokens, -1)
+        self.routed.prefill(leg.worker_id, -leg.prefill_tokens, -1)
         leg.prefill_tokens = 0
 
     @contextlib.contextmanager
     def prefilling(self, worker_id: str, tokens: int) -> Iterator[None]:
         """A prompt of `tokens` in `worker_id`'s queue for routing while the block runs (a
         disaggregated prefill: no leg, one RPC)."""
-        self._count_prefilling(worker_id, tokens, 1)
+        self.routed.prefill(worker_id, tokens, 1)
         try:
             yield
         finally:
-            self._count_prefilling(worker_id, -tokens, -1)
-
-    def _count_prefilling(self, worker_id: str, tokens: int, requests: int) -> None:
-        had_tokens, had_requests = self._prefilling.get(worker_id, (0, 0))
-        left = (had_tokens + tokens, had_requests + requests)
-        if left[1] > 0:
-            self._prefilling[worker_id] = left
-        else:
-            self._prefilling.pop(worker_id, None)
+            self.routed.prefill(worker_id, -tokens, -1)
 
     def close_leg(self, run: RequestRun, leg: Leg) -> None:
         if leg.prefill_tokens:
@@ -279,11 +290,7 @@ class Placement:
             return
         self.freed(leg.worker_id)
         self.replies.unregister(leg.wire_id)
-        n = self._inflight.get(leg.worker_id, 0) - 1
-        if n > 0:
-            self._inflight[leg.worker_id] = n
-        else:
-            self._inflight.pop(leg.worker_id, None)
+        self.routed.sent(leg.worker_id, -1)
 
     def retry(self, run: RequestRun, worker_id: str, why: str, code: grpc.StatusCode) -> None:
         """Count one retry after `worker_id` failed the request, or give up."""

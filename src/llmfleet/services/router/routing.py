@@ -221,8 +221,8 @@ class PredictedTTFT:
             (ttfts[c.worker_id] + imposed_delay(c, block_size, num_prompt_tokens, rate), c)
             for c in candidates
         ]
-        best, least = min(scored, key=lambda tc: tc[0])
-        _, pick = _least_loaded_within(scored, best + least.step_s)
+        best_cost, best = min(scored, key=lambda tc: tc[0])
+        _, pick = _least_loaded_within(scored, best_cost + best.step_s)
         return RouteDecision(
             self.name,
             pick.worker_id,
