@@ -74,6 +74,7 @@ class Admission:
                 self._routes[request_id] = reply_endpoint
             if kvstore is not None and num_remote is not None and num_remote < len(hashes):
                 kvstore.expect_put(request_id, hashes[num_remote:], rpc_span)
+            self._request_spans.expect(rpc_span)
             loop.post(  # before any step's outputs reach the event loop
                 functools.partial(
                     self._request_spans.admitted,

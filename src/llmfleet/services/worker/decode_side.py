@@ -193,6 +193,7 @@ class DecodeSide:
                 routes.pop(rid, None)
                 engine.kv.release_reserved(lease.lease_id)
                 raise
+            self._request_spans.expect(rpc_span)
             loop.post(self._request_spans.decoding, rid, rpc_span, len(prompt))
 
         await loop.call(start)

@@ -73,9 +73,24 @@ class RequestSpans:
         self.worker_id = worker_id
         self._lives: dict[str, _Life] = {}  # by the client's request id
         self._num_prefilling = 0  # lives in queue or prefill
+        # Admissions posted on the engine thread (`expect`) and run on the event loop: steps
+        # between the two must read running views already. One writer each.
+        self._num_expected = 0
+        self._num_arrived = 0
 
     def __len__(self) -> int:
         return len(self._lives)
+
+    def expect(self, parent: Span) -> None:
+        """On the engine thread, as an admission op posts `admitted` / `decoding` for a
+        recording `parent`: `following` holds from here, not only once the post has run."""
+        if parent.is_recording():
+            self._num_expected += 1
+
+    @property
+    def following(self) -> bool:
+        """Some request is followed or about to be (read on the engine thread per step)."""
+        return bool(self._lives) or self._num_expected != self._num_arrived
 
     def admitted(
         self,
@@ -89,6 +104,7 @@ class RequestSpans:
         """Follow a request just added to the engine (`parent`: the admitting RPC's span)."""
         if not parent.is_recording():
             return
+        self._num_arrived += 1
         ctx = trace.set_span_in_context(parent)
         span = tracer.start_span("queue", ctx, attributes=self._attrs())
         self._lives[request_id] = _Life(
@@ -100,6 +116,7 @@ class RequestSpans:
         """Follow a request that starts decoding on KV a prefill worker pushed."""
         if not parent.is_recording():
             return
+        self._num_arrived += 1
         ctx = trace.set_span_in_context(parent)
         span = tracer.start_span("decode", ctx, attributes=self._attrs())
         self._lives[request_id] = _Life(ctx, span, "decode", num_prompt_tokens, 1, False)

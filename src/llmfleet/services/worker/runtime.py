@@ -287,7 +287,7 @@ class WorkerRuntime:
     def _collect(self, step: int, outputs: list[RequestOutput]) -> IterationFacts:
         """On the engine thread, after an iteration (see IterationFacts)."""
         assert self.engine is not None and self.loop is not None
-        spans = len(self.request_spans) > 0  # tracing follows some requests
+        spans = self.request_spans.following
         return IterationFacts.read(self.engine, outputs, self.loop.step_started_ns, spans)
 
     async def _on_iteration(
