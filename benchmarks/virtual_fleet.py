@@ -10,7 +10,7 @@ What runs is the fleet's own code:
     scheduler, block manager, prefix cache and KV events;
   - it reports load as a worker does (`outputs.load_report`, with the `StepTimeModel` it learns
     from its own steps and its measured kvstore fetch cost);
-  - the router's routing is the router's: the policies, `placement.RoutedLoad` over those load
+  - the router's routing is the router's: the policies, `routed_load.RoutedLoad` over those load
     reports plus what the router sent since, the `KVIndex` fed by the engines' KV events;
   - with the kvstore, the kvstore's `BlockStore` (LRU) and the router's view of it (its events);
   - disaggregated, the router's handoff order: prefill worker by the policy, at most
@@ -34,14 +34,15 @@ from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.kvstore.store import BlockStore
-from llmfleet.services.router.placement import RoutedLoad
 from llmfleet.services.router.registry import Load
+from llmfleet.services.router.routed_load import RoutedLoad
 from llmfleet.services.router.routing import (
     DecodeHeadroom,
     LeastLoad,
     Policy,
     PredictedTTFT,
     RouteDecision,
+    fetched_tokens,
     make_policy,
     uncached_tokens,
 )
@@ -244,6 +245,8 @@ class VirtualFleet:
         decision = policy.choose(cands, self.calib.block_size, len(r.prompt))
         pick = next(c for c in cands if c.worker_id == decision.worker_id)
         uncached = uncached_tokens(pick, self.calib.block_size, len(r.prompt))
+        if policy is self.policy:
+            r.fetched_tokens = fetched_tokens(pick, self.calib.block_size, len(r.prompt))
         return self.by_id[decision.worker_id], decision, uncached
 
     def _route(self, r: SimRequest) -> None:
@@ -261,7 +264,7 @@ class VirtualFleet:
 
     def _prefilling(self, w: VirtualWorker, r: SimRequest, sign: int) -> None:
         """`r`'s prompt enters (1) or leaves (-1) `w`'s queue as the router counts it."""
-        self.routed.prefill(w.id, sign * r.uncached_tokens, sign)
+        self.routed.prefill(w.id, sign * r.uncached_tokens, sign, sign * r.fetched_tokens)
 
     def _handoffs(self, p: VirtualWorker) -> None:
         """Start the handoffs waiting for `p`'s prefill slots while it has free ones."""
@@ -280,6 +283,7 @@ class VirtualFleet:
         p.prefills_in_flight += 1
         r.decode_worker = d
         self.routed.sent(d.id, 1)
+        self.routed.transfer(d.id, len(r.prompt))
         p.admit(r, prefill_only=True)
 
     def on_output(self, w: VirtualWorker, out: RequestOutput) -> None:
@@ -304,6 +308,7 @@ class VirtualFleet:
         assert d is not None
 
         def pushed() -> None:
+            self.routed.transfer(d.id, -len(r.prompt))
             p.engine.kv.release_pinned(r.rid)
             del p.requests[r.rid]
             self._prefilling(p, r, -1)

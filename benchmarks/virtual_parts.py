@@ -68,6 +68,7 @@ class SimRequest:
     num_cached_tokens: int = 0  # found in the prefix cache or fetched, not computed
     predicted_ttft: float | None = None
     uncached_tokens: int = 0  # of the prompt, as the router saw it when it routed
+    fetched_tokens: int = 0  # and fetched from the kvstore
     decode_worker: VirtualWorker | None = None  # disaggregated
     num_prompt_tokens: int = 0
 

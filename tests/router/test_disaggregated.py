@@ -115,12 +115,12 @@ def test_a_prefill_in_flight_counts_in_its_workers_queue_for_routing():
             p.prefill_gate = asyncio.Event()
             call = asyncio.create_task(fleet.generate(text=LONG, sampling=sampling(max_tokens=2)))
             await eventually(lambda: p.names() == ["Prefill"])
-            assert fleet.router.placement.routed.prefilling == {
-                "p": (len(LONG), 1)
-            }  # tokens, requests
+            routed = fleet.router.placement.routed
+            assert routed.prefilling == {"p": (len(LONG), 1)}  # tokens, requests
+            assert routed.incoming == {"d": len(LONG)}  # the KV leased on d, to be pushed
             p.prefill_gate.set()
             _, text = await call
             assert text == letters(len(LONG), 2)
-            assert fleet.router.placement.routed.prefilling == {}
+            assert routed.prefilling == {} and routed.incoming == {}
 
     run(body())

@@ -131,11 +131,34 @@ def test_decode_headroom_picks_the_faster_batch_with_room_for_the_prompt():
     # The lighter batch lacks room for the prompt's 32 blocks: waiting for memory costs more.
     full = cand("light", num_requests=4, step_s_per_seq=1e-3, num_free_blocks=8)
     assert predict_decode_step(full, BS, 512) == pytest.approx(
-        0.02 + 5e-3 + (32 - 8) / 1000 * 256 * 0.02
+        512 * 1e-5 + 0.02 + 5e-3 + (32 - 8) / 1000 * 256 * 0.02
     )
     assert DecodeHeadroom().choose([busy, full], BS, 512).worker_id == "busy"
     same = [cand("a", num_requests=3), cand("b", num_requests=1)]
     assert DecodeHeadroom().choose(same, BS, 64).worker_id == "b"  # a tie: the lighter
+
+
+def test_decode_headroom_avoids_a_worker_whose_link_is_busy_with_pushes():
+    """The first token waits for the prompt's KV to arrive: KV already leased and on its way
+    to a decode worker is pushed first, so an equal worker with an idle link wins."""
+    from llmfleet.services.router.routing import DecodeHeadroom, predict_decode_step
+
+    pushed_to = cand("a", num_requests=2, incoming_kv_tokens=20_000)
+    idle_link = cand("b", num_requests=6)
+    assert predict_decode_step(pushed_to, BS, 4000) == pytest.approx(24_000 * 1e-5 + 0.02)
+    assert DecodeHeadroom().choose([pushed_to, idle_link], BS, 4000).worker_id == "b"
+
+
+def test_a_fetch_waits_for_the_fetches_routed_before_it():
+    """Fetches into one worker go one after another: with 60K tokens on their way to `a`,
+    the worker with an idle link wins the kvstore fetch. A prompt fetched from nowhere does
+    not wait for the link."""
+    busy_link = cand("a", store_blocks=256, incoming_kv_tokens=60_000)
+    idle_link = cand("b", store_blocks=256, queued_prompt_tokens=2000, num_queued=2)
+    assert predict_ttft(busy_link, BS, 4096) == pytest.approx(0.02 + 1e-4 + (60_000 + 4096) * 1e-5)
+    assert PredictedTTFT().choose([busy_link, idle_link], BS, 4096).worker_id == "b"
+    local = cand("a", prefix_blocks=256, incoming_kv_tokens=60_000)
+    assert predict_ttft(local, BS, 4096) == pytest.approx(0.02 + 1e-4)
 
 
 def test_under_load_a_request_stays_with_its_prefix_rather_than_recompute_it_elsewhere():

@@ -59,6 +59,7 @@ def test_every_request_is_answered_in_full_on_the_virtual_clock(loaded, shape):
         assert not w.requests and not w.engine.has_unfinished()
         assert w.engine.num_free_blocks == CALIB.num_kv_blocks
     assert fleet.routed.requests == {} and fleet.routed.prefilling == {}
+    assert fleet.routed.incoming == {}  # every fetch and push counted out again
 
 
 def test_same_arrivals_same_figures(loaded):

@@ -125,7 +125,8 @@ class LeaseHandoff:
             full: str | None = None
             # In the prefill worker's queue for routing from here, its wait for a slot included.
             uncached = run.routed_uncached_tokens or len(run.prompt_ids)
-            with placement.prefilling(prefill_id, uncached):
+            fetched = run.routed_fetched_tokens
+            with placement.routed.in_prefill(prefill_id, uncached, fetched):
                 async with self._slot(prefill_id):
                     if run.aborted:
                         return None
@@ -133,7 +134,8 @@ class LeaseHandoff:
                         run, ROLE_DECODE, run.prompt_ids, self._decode_policy
                     )
                     try:
-                        pre = await self._attempt(run, decode_id, prefill_id)
+                        with placement.routed.in_transfer(decode_id, len(run.prompt_ids)):
+                            pre = await self._attempt(run, decode_id, prefill_id)
                     except _DecodeFull:
                         full = decode_id
                     except _AttemptFailed as failed:

@@ -19,15 +19,21 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
 from llmfleet.services.router import metrics, spans
-from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, Load, WorkerRegistry
+from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
-from llmfleet.services.router.routing import Candidate, Policy, uncached_tokens
+from llmfleet.services.router.routed_load import RoutedLoad
+from llmfleet.services.router.routing import (
+    Candidate,
+    Policy,
+    fetched_tokens,
+    uncached_tokens,
+)
 from llmfleet.services.router.store_view import StoreView
 from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
@@ -66,66 +72,6 @@ def mark_submitted(run: RequestRun) -> None:
         metrics.QUEUE_TIME.labels(run.model.model_id).observe(run.submitted_at - run.arrival)
         NUM_REQUESTS_WAITING.labels(run.model.model_id).dec()
         NUM_REQUESTS_RUNNING.labels(run.model.model_id).inc()
-
-
-class RoutedLoad:
-    """What this router has sent each worker that its load reports may not show yet: requests
-    not ended there (legs, or decode leases), and of those the ones without a first token yet
-    with their prompt tokens to compute (a disaggregated prefill in flight, or waiting for a
-    slot, counts here too). Pure bookkeeping; `candidate` turns it into routing's view."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, int] = {}  # worker id -> requests not ended
-        self.prefilling: dict[str, tuple[int, int]] = {}  # worker id -> (tokens, requests)
-
-    def sent(self, worker_id: str, requests: int) -> None:
-        """`requests` (1 or -1) more not ended on `worker_id`."""
-        left = self.requests.get(worker_id, 0) + requests
-        if left > 0:
-            self.requests[worker_id] = left
-        else:
-            self.requests.pop(worker_id, None)
-
-    def prefill(self, worker_id: str, tokens: int, requests: int) -> None:
-        """`requests` (1 or -1) with `tokens` prompt tokens enter or leave `worker_id`'s
-        queue."""
-        had_tokens, had_requests = self.prefilling.get(worker_id, (0, 0))
-        left = (had_tokens + tokens, had_requests + requests)
-        if left[1] > 0:
-            self.prefilling[worker_id] = left
-        else:
-            self.prefilling.pop(worker_id, None)
-
-    def candidate(
-        self,
-        worker_id: str,
-        load: Load,
-        *,
-        prefix_blocks: int,
-        store_blocks: int,
-        affinity: bool = False,
-    ) -> Candidate:
-        """A worker as the routing policies see it: its last load report, raised to what this
-        router has sent it since when that is more, and the request's cached prefix there and
-        in the kvstore."""
-        tokens, prefilling = self.prefilling.get(worker_id, (0, 0))
-        return Candidate(
-            worker_id,
-            max(load.num_requests, self.requests.get(worker_id, 0), prefilling),
-            load.num_free_blocks,
-            prefix_blocks,
-            num_total_blocks=load.num_total_blocks,
-            store_blocks=store_blocks,
-            queued_prompt_tokens=max(load.num_queued_prompt_tokens, tokens),
-            # what the worker measured; 0 until it has (the scorers fill in: routing.py)
-            step_s=load.step_seconds,
-            step_s_per_seq=load.step_seconds_per_seq,
-            step_token_budget=load.max_num_batched_tokens,
-            prefill_s_per_token=load.prefill_seconds_per_token,
-            fetch_s_per_token=load.fetch_seconds_per_token,
-            num_queued=max(load.num_waiting, prefilling),
-            affinity=affinity,
-        )
 
 
 class Placement:
@@ -209,9 +155,9 @@ class Placement:
         )
         if policy.needs_prefix:  # (a decode pick for a lease does not count prefixes)
             self._remember_session(run.session_id, decision.worker_id)
-            run.routed_uncached_tokens = uncached_tokens(
-                pick, run.model.block_size, len(prompt_ids)
-            )
+            bs, n = run.model.block_size, len(prompt_ids)
+            run.routed_uncached_tokens = uncached_tokens(pick, bs, n)
+            run.routed_fetched_tokens = fetched_tokens(pick, bs, n)
         if decision.predicted_ttft_s is not None and run.first_token_at is None:
             run.predicted_ttft = (decision.policy, time.perf_counter(), decision.predicted_ttft_s)
         return decision.worker_id
@@ -225,18 +171,25 @@ class Placement:
             self._sessions.popitem(last=False)
 
     def new_leg(
-        self, run: RequestRun, worker_id: str, indices: tuple[int, ...], prefill_tokens: int = 0
+        self,
+        run: RequestRun,
+        worker_id: str,
+        indices: tuple[int, ...],
+        prefill_tokens: int = 0,
+        fetch_tokens: int = 0,
     ) -> Leg:
-        """A leg on `worker_id`, which is to compute `prefill_tokens` prompt tokens for it
-        (counted in that worker's queue for routing until the leg's first output)."""
+        """A leg on `worker_id`, which is to compute `prefill_tokens` prompt tokens for it and
+        fetch `fetch_tokens` (counted in that worker's queue for routing until the leg's first
+        output)."""
         wire_id = run.next_wire_id()
         run.num_legs += 1
         run.used(worker_id)
-        leg = Leg(wire_id, worker_id, indices, prefill_tokens=max(0, prefill_tokens))
+        leg = Leg(wire_id, worker_id, indices)
+        leg.prefill_tokens, leg.fetch_tokens = max(0, prefill_tokens), max(0, fetch_tokens)
         run.legs[wire_id] = leg
         self.routed.sent(worker_id, 1)
         if leg.prefill_tokens:
-            self.routed.prefill(worker_id, leg.prefill_tokens, 1)
+            self.routed.prefill(worker_id, leg.prefill_tokens, 1, leg.fetch_tokens)
         events = run.events
 
         def sink(from_worker: str, outs: Sequence[dataplane_pb2.SequenceOutput]) -> None:
@@ -270,18 +223,8 @@ class Placement:
 
     def _prefilled(self, leg: Leg) -> None:
         """`leg`'s prompt left its worker's queue (first output, or the leg closed)."""
-        self.routed.prefill(leg.worker_id, -leg.prefill_tokens, -1)
-        leg.prefill_tokens = 0
-
-    @contextlib.contextmanager
-    def prefilling(self, worker_id: str, tokens: int) -> Iterator[None]:
-        """A prompt of `tokens` in `worker_id`'s queue for routing while the block runs (a
-        disaggregated prefill: no leg, one RPC)."""
-        self.routed.prefill(worker_id, tokens, 1)
-        try:
-            yield
-        finally:
-            self.routed.prefill(worker_id, -tokens, -1)
+        self.routed.prefill(leg.worker_id, -leg.prefill_tokens, -1, -leg.fetch_tokens)
+        leg.prefill_tokens = leg.fetch_tokens = 0
 
     def close_leg(self, run: RequestRun, leg: Leg) -> None:
         if leg.prefill_tokens:
@@ -320,7 +263,7 @@ class Placement:
             stub = self.pool.stub(worker_id)
             # (at least its last token is computed, even with the whole prompt cached)
             uncached = run.routed_uncached_tokens or len(prompt_ids)
-            leg = self.new_leg(run, worker_id, indices, uncached)
+            leg = self.new_leg(run, worker_id, indices, uncached, run.routed_fetched_tokens)
             try:
                 if stub is None:
                     raise Unavailable(f"worker {worker_id} is not connected")

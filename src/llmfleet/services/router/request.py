@@ -50,6 +50,7 @@ class Leg:
     indices: tuple[int, ...]
     open_indices: set[int] = field(default_factory=set)  # wire indices the worker still runs
     prefill_tokens: int = 0  # prompt tokens it still counts in its worker's queue (placement)
+    fetch_tokens: int = 0  # and prompt tokens it counts as fetched there from the kvstore
 
     def __post_init__(self) -> None:
         self.open_indices = set(range(len(self.indices)))
@@ -114,6 +115,7 @@ class RequestRun:
     # prompt tokens the latest prefix-counting decision's worker computes (not cached there,
     # not fetched from the kvstore); 0: no such decision yet
     routed_uncached_tokens: int = 0
+    routed_fetched_tokens: int = 0  # and the prompt tokens it fetches from the kvstore
     session_id: str = ""  # the client's conversation id: a routing hint (placement.py)
     predicted_ttft: tuple[str, float, float] | None = None  # policy, routed at, predicted s
     _carried: object | None = None  # taken from `events` by next_event, not handled yet

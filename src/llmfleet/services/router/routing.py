@@ -18,8 +18,10 @@ and asks a policy to choose. Every choice comes with a `RouteDecision` for metri
   step times (`StepTimeModel`, in the worker's load reports); a worker that has not measured
   one yet is scored with its measured peers' mean (`with_peer_costs`), else the prior.
 - `DecodeHeadroom`: for a disaggregated request's decode worker (the prompt's KV arrives by
-  push, so no prefix counts): the least predicted decode step once the request joins
-  (`step_s + (requests + 1) * step_s_per_seq`) plus the same KV-pressure term, ties to the
+  push, so no prefix counts): the least predicted time to its first decode step there: the
+  push of its KV behind the pushes already leased there (`(incoming + N) * fetch_s_per_token`,
+  the first token waits for it), then a step once the request joins
+  (`step_s + (requests + 1) * step_s_per_seq`), plus the same KV-pressure term; ties to the
   least loaded (within `TIE_FRACTION`). The router uses it beside `PredictedTTFT`.
 
 Predicted TTFT on a worker, for a prompt of N tokens of which the worker caches `local` and
@@ -30,15 +32,16 @@ the kvstore holds `store` more (fetched instead of computed):
     steps   = ceil(prompt / (budget - requests))      (the steps they take, beside the batch)
     ttft    = steps * (step_s + (requests + 1) * step_s_per_seq)
             + prompt * prefill_s_per_token
-            + store * fetch_s_per_token
+            + (incoming + store) * fetch_s_per_token     (only when store > 0)
             + pressure
 
 where `queued` is the prompt tokens admitted there and not yet computed (less the prefix a
-waiting request found cached), `budget` the worker's tokens per step (1 step if unknown: each
-step also decodes its running batch, and a deep queue takes many), and `pressure`, when
-the prompt needs more blocks than are free, is the deficit's share of the cache times
-`PRESSURE_HORIZON_STEPS` steps: the wait for running requests to free memory (or be
-preempted, which costs their recomputation).
+waiting request found cached), `incoming` the tokens already on their way there (fetches
+go one after another: under load a fetch waits for those routed before it), `budget` the
+worker's tokens per step (1 step if unknown: each step also decodes its running batch, and a
+deep queue takes many), and `pressure`, when the prompt needs more blocks than are free, is
+the deficit's share of the cache times `PRESSURE_HORIZON_STEPS` steps: the wait for running
+requests to free memory (or be preempted, which costs their recomputation).
 
 The cost the policy minimizes adds what the choice costs the others, the delay its prompt's
 compute (`compute_s = compute * prefill_s_per_token`) puts on the requests queued behind it:
@@ -99,6 +102,7 @@ class Candidate:
     num_queued: int = 0  # requests there without a first token yet
     step_token_budget: int = 0  # tokens a step computes at most (0: unknown, one step)
     affinity: bool = False  # served the request's session last (a hint: wins ties)
+    incoming_kv_tokens: int = 0  # KV leased there and not pushed yet (decode workers)
 
 
 @dataclass(frozen=True)
@@ -286,9 +290,12 @@ def _least_loaded_within(
 
 
 def predict_decode_step(c: Candidate, block_size: int, num_prompt_tokens: int) -> float:
-    """Seconds of `c`'s decode step once a request with this prompt joins it, KV pressure
-    included (its blocks must be reserved before the prompt's KV is pushed)."""
-    return _joined_step(c) + _pressure(c, -(-max(1, num_prompt_tokens) // block_size))
+    """Seconds until a request with this prompt has decoded its first step on `c`: its KV
+    pushed behind the KV already on the way there, then `c`'s step with it in the batch, KV
+    pressure included (its blocks must be reserved before the prompt's KV is pushed)."""
+    n = max(1, num_prompt_tokens)
+    push = (c.incoming_kv_tokens + n) * c.fetch_s_per_token
+    return push + _joined_step(c) + _pressure(c, -(-n // block_size))
 
 
 def _joined_step(c: Candidate) -> float:
@@ -310,6 +317,11 @@ def _split(c: Candidate, block_size: int, num_prompt_tokens: int) -> tuple[int, 
     local = min(n, c.prefix_blocks * block_size)
     store = max(0, min(n, c.store_blocks * block_size) - local)
     return n, store, max(1, n - local - store)
+
+
+def fetched_tokens(c: Candidate, block_size: int, num_prompt_tokens: int) -> int:
+    """The prompt tokens `c` would fetch from the kvstore."""
+    return _split(c, block_size, num_prompt_tokens)[1]
 
 
 def uncached_tokens(c: Candidate, block_size: int, num_prompt_tokens: int) -> int:
@@ -336,7 +348,8 @@ def predict_ttft(c: Candidate, block_size: int, num_prompt_tokens: int) -> float
     if c.step_token_budget > 0:
         room = max(1, c.step_token_budget - c.num_requests)
         steps = max(1, -(-prompt // room))
-    ttft = steps * _joined_step(c) + prompt * c.prefill_s_per_token + store * c.fetch_s_per_token
+    fetch = (c.incoming_kv_tokens + store) * c.fetch_s_per_token if store else 0.0
+    ttft = steps * _joined_step(c) + prompt * c.prefill_s_per_token + fetch
     blocks = -(-n // block_size)
     return ttft + _pressure(c, blocks - min(c.prefix_blocks, blocks))
 
