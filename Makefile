@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all env run test test-gpu lint format bench bench-serve bench-routing bench-gpu clean proto
+.PHONY: all env run test test-gpu lint format bench bench-serve bench-routing bench-gpu clean proto soak
 
 all: test
 
@@ -55,6 +55,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py
 	$(BIN)/python benchmarks/fleet_bench.py
 	$(BIN)/python benchmarks/routing_bench.py
+
+# Ten minutes at full load with 10% of streams cancelled: fails on a failed request or a leak
+# (KV blocks, fds, RSS growth > 10%) in any fleet process (docs/fleet.md).
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py --duration-s 600
 
 # Routing policies side by side (a fleet of two workers per policy, loaded one after the other):
 # `llmfleet bench serve` on the prefix-repetition dataset, TTFT side by side.

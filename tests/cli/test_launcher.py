@@ -93,7 +93,9 @@ def test_aggregated_fleet_starts_in_order_wires_addresses_and_stops_in_reverse(t
     assert f"{_flag(router, '--host')}:{_flag(router, '--port')}" == fleet.endpoint
     worker = _argv(events, "worker-1")
     assert _flag(worker, "--role") == "unified"
-    assert _flag(worker, "--router") == fleet.endpoint
+    # workers register on the router's internal port, not its public one
+    registry = f"{_flag(router, '--internal-host')}:{_flag(router, '--internal-port')}"
+    assert _flag(worker, "--router") == registry == fleet.registry_address != fleet.endpoint
     assert _flag(worker, "--kvstore") == fleet.kvstore_address
     kv = _argv(events, "kvstore")
     assert _flag(worker, "--kvstore-endpoint") == f"tcp://127.0.0.1:{_flag(kv, '--data-port')}"

@@ -86,3 +86,27 @@ def test_roles_and_model_limits():
     assert reg.model(("unified",)) is None
     with pytest.raises(ValueError):
         reg.register("x", "bogus", "h:3", "", MODEL)
+
+
+def test_streamed_outputs_keep_a_worker_with_late_heartbeats_alive():
+    clock = Clock()
+    reg = _reg(clock)
+    reg.register("a", "unified", "h:1", "tcp://h:2", MODEL)
+    for _ in range(4):  # no heartbeat for 8 s, but tokens arrive every 2 s
+        clock.t += 2.0
+        reg.touch("a")
+    assert [w.worker_id for w in reg.live()] == ["a"] and not reg.expired()
+    reg.touch("nobody")  # outputs of a removed worker do not bring it back
+    assert reg.get("nobody") is None
+
+
+def test_draining_worker_takes_no_new_requests_but_stays_known():
+    clock = Clock()
+    reg = _reg(clock)
+    reg.register("a", "unified", "h:1", "tcp://h:2", MODEL)
+    reg.register("b", "unified", "h:3", "tcp://h:4", MODEL)
+    assert reg.set_draining("a") and not reg.set_draining("nobody")
+    assert [w.worker_id for w in reg.live()] == ["b"] and reg.taking("unified")
+    assert reg.heartbeat("a", None) and not reg.expired()
+    reg.set_draining("b")  # the whole fleet stops: the draining ones still take requests
+    assert [w.worker_id for w in reg.live()] == ["a", "b"] and not reg.taking("unified")

@@ -39,7 +39,7 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
     def __init__(self) -> None:
         self.registrations: list[registry_pb2.RegisterWorkerRequest] = []
         self.heartbeats = 0
-        self.deregistered: list[str] = []
+        self.deregistered: list[tuple[str, bool]] = []  # (worker id, draining)
         self.forget_once = True
 
     async def RegisterWorker(self, request, context):
@@ -53,7 +53,7 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.HeartbeatResponse(known=known)
 
     async def DeregisterWorker(self, request, context):
-        self.deregistered.append(request.worker_id)
+        self.deregistered.append((request.worker_id, request.draining))
         return registry_pb2.DeregisterWorkerResponse()
 
 
@@ -98,7 +98,8 @@ def test_registers_heartbeats_and_reregisters_when_forgotten(loaded):
         finally:
             await w.stop()
             await server.stop(0)
-        assert registry.deregistered == ["w-1"]
+        # The drain notice (no new requests; nothing was queued), then leaving the pool.
+        assert registry.deregistered == [("w-1", True), ("w-1", False)]
 
     run(body())
 

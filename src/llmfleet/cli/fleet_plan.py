@@ -6,7 +6,9 @@ Tiers (docs/fleet.md): kvstore and tokenizer, then the router, then the workers,
 `sys.executable -m llmfleet.services.<name>` (or `FleetSpec.modules[kind]`) with explicit
 `--host`, `--port` and `--metrics-port`, the flags that wire it to the tiers before it, then
 `FleetSpec.extra_args[kind]`. Ports are picked here, all distinct; the public (router) and HTTP
-ports are the spec's unless 0.
+ports are the spec's unless 0. Only those two bind on `host`; every internal port (tokenizer,
+kvstore, workers, the router's `--internal-port` Registry, where workers register) binds on
+`internal_host`, and with `tls_dir` every internal service gets `--tls-dir`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ MODULES = {
     "gateway": "llmfleet.services.gateway",
 }
 _TAIL_LINES = 40
+_PUBLIC = ("router", "gateway")  # bound on `host`; every other port on `internal_host`
+_INTERNAL_TLS = ("kvstore", "tokenizer", "router", "worker")  # the kinds taking `--tls-dir`
+_DRAINING = ("router", "worker", "gateway")  # the kinds with streams to finish: `--grace-s`
 # The engine settings FleetSpec names itself (the tokenizer and gateway take the model too).
 _OWN_FIELDS = ("model", "device", "dtype", "quantization")
 
@@ -47,8 +52,14 @@ class FleetSpec:
     """What to start. Unset engine options (model, device, dtype, quantization) take the
     services' defaults."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the public ports' address: router Generation, gateway HTTP
     port: int = 50051  # the public (router) port; 0: any free port
+    # Every internal port (tokenizer, kvstore, workers, the router's Registry and reply
+    # endpoint) binds here, apart from the public ones.
+    internal_host: str = "127.0.0.1"
+    # Mutual TLS on internal gRPC and CURVE on ZMQ with these credentials (`llmfleet tls
+    # init DIR`, shared/wire/tls.py), passed to every child as `--tls-dir`; None: plaintext.
+    tls_dir: str | None = None
     disaggregated: bool = False
     workers: int = 1  # unified workers (aggregated mode)
     prefill_workers: int = 1  # disaggregated mode
@@ -72,7 +83,13 @@ class FleetSpec:
     log_dir: str | None = None  # None: a fresh temporary directory
     echo: bool = False  # copy children's output to this process's stderr
     startup_timeout_s: float = 300.0
-    stop_grace_s: float = 15.0
+    # On stop, the router, workers and gateway finish open streams for this long (`--grace-s`).
+    grace_s: float = 30.0
+    stop_grace_s: float | None = None  # then SIGKILL per tier; None: grace_s + 10
+    supervise: bool = True  # start again a child that exits (supervisor.py)
+    restart_backoff_s: float = 0.5  # the first restart's delay; doubles per crash, capped:
+    max_restart_backoff_s: float = 30.0
+    metrics_port: int | None = None  # the supervisor's /metrics (restarts); 0: any; None: none
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -91,8 +108,12 @@ class FleetSpec:
         unknown = (set(self.extra_args) | set(self.modules)) - set(MODULES)
         if unknown:
             raise ValidationError("extra_args", f"unknown service kinds {sorted(unknown)}")
-        if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
-            raise ValidationError("startup_timeout_s", "timeouts must be positive")
+        if self.startup_timeout_s <= 0:
+            raise ValidationError("startup_timeout_s", "must be > 0")
+        if self.grace_s < 0 or (self.stop_grace_s is not None and self.stop_grace_s < 0):
+            raise ValidationError("grace_s", "must be >= 0")
+        if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
+            raise ValidationError("restart_backoff_s", "must be > 0 and <= max_restart_backoff_s")
 
 
 @dataclass
@@ -151,13 +172,13 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
     """The children in start tiers ([kvstore and tokenizer], [router], workers, [gateway] or
     []), with every port chosen; each logs to `<log_dir>/<name>.log`. Raises
     `FleetStartError` when the spec's public or HTTP port is in use."""
-    h = spec.host
+    h, ih = spec.host, spec.internal_host
     roles = (
         ["prefill"] * spec.prefill_workers + ["decode"] * spec.decode_workers
         if spec.disaggregated
         else ["unified"] * spec.workers
     )
-    ports = iter(pick_free_ports(2 * (4 + len(roles)) + 2, h))
+    ports = iter(pick_free_ports(2 * (4 + len(roles)) + 3, h))
     if spec.port == 0:
         public = next(ports)
     elif _port_is_free(h, spec.port):
@@ -166,20 +187,24 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         raise FleetStartError(f"port {spec.port} on {h} is in use (choose another with --port)")
 
     def make(name: str, kind: str, port: int, args: list[str], role: str | None = None) -> Child:
+        bind = h if kind in _PUBLIC else ih
+        tls = ["--tls-dir", spec.tls_dir] if spec.tls_dir and kind in _INTERNAL_TLS else []
         argv = [
             sys.executable,
             "-m",
             {**MODULES, **spec.modules}[kind],
             "--host",
-            h,
+            bind,
             "--port",
             str(port),
             "--metrics-port",
             str(next(ports)),
             *args,
+            *tls,
+            *(["--grace-s", str(spec.grace_s)] if kind in _DRAINING else []),
             *spec.extra_args.get(kind, ()),
         ]
-        return Child(name, kind, f"{h}:{port}", argv, log_dir / f"{name}.log", role)
+        return Child(name, kind, f"{bind}:{port}", argv, log_dir / f"{name}.log", role)
 
     own = {f: getattr(spec, f) for f in _OWN_FIELDS}
     engine = engine_argv({**own, **spec.engine})
@@ -198,17 +223,19 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         )
         kv_args = [
             "--kvstore",
-            f"{h}:{kv_port}",
+            f"{ih}:{kv_port}",
             "--kvstore-endpoint",
-            f"tcp://{h}:{data_port}",
+            f"tcp://{ih}:{data_port}",
             "--kvstore-events",
-            f"tcp://{h}:{events_port}",
+            f"tcp://{ih}:{events_port}",
         ]
     tokenizer_port = next(ports)
     tok_args = ["--model", spec.model] if spec.model is not None else []
     first.append(make("tokenizer", "tokenizer", tokenizer_port, tok_args))
 
-    sched_args = ["--tokenizer", f"{h}:{tokenizer_port}"]
+    registry = f"{ih}:{next(ports)}"  # the router's internal port: workers register there
+    sched_args = ["--tokenizer", f"{ih}:{tokenizer_port}"]
+    sched_args += ["--internal-host", ih, "--internal-port", registry.rsplit(":", 1)[1]]
     sched_args += ["--mode", "disaggregated" if spec.disaggregated else "aggregated"]
     if spec.kvstore:  # the router's view of the store, for routing (what a fetch can bring)
         sched_args += [kv_args[0], kv_args[1], kv_args[4], kv_args[5]]
@@ -221,7 +248,7 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
     for role in roles:
         name = f"{'worker' if role == 'unified' else role}-{counts[role]}"
         counts[role] += 1
-        args = ["--role", role, "--worker-id", name, "--router", router.address]
+        args = ["--role", role, "--worker-id", name, "--router", registry]
         workers.append(make(name, "worker", next(ports), [*args, *kv_args, *engine], role))
     gateways = []
     if spec.gateway:

@@ -47,7 +47,7 @@ def _client(args: argparse.Namespace):  # -> GenerationClient
                 f"--{flag}",
                 "applies with --offline only; a fleet's model is chosen by `llmfleet up`",
             )
-    return GenerationClient(args.endpoint)
+    return GenerationClient(args.endpoint, api_key=args.api_key)
 
 
 def remote_generate(args: argparse.Namespace) -> int:

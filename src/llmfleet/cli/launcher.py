@@ -12,10 +12,16 @@ the gateway, SERVING once its `/health` answers 200. Each child's stdout and std
 (whole lines, through `write_line`). A child that exits or is not SERVING in time fails the
 start with a `FleetStartError` naming it and quoting the tail of its output.
 
+Once started, with `FleetSpec.supervise`, a `Supervisor` (supervisor.py) starts again any child
+that exits, with the same flags and ports, after a capped exponential backoff, while the rest
+serve on; restarts are counted in `llmfleet:child_restarts_total{service, child}`, served on
+`FleetSpec.metrics_port` (`metrics_url`) when set.
+
 Stopping sends SIGTERM tier by tier in reverse start order (gateway, workers, router,
-tokenizer, kvstore), waits `stop_grace_s` per tier, then SIGKILLs what is left. Children run in
-their own process group so a terminal's Ctrl-C reaches only the launcher, which then stops them
-in order.
+tokenizer, kvstore): each child drains (NOT_SERVING, new requests refused, open streams finish
+within its `--grace-s`, `FleetSpec.grace_s`); what is left after `stop_grace_s` per tier is
+SIGKILLed. Children run in their own process group so a terminal's Ctrl-C reaches only the
+launcher, which then stops them in order.
 """
 
 from __future__ import annotations
@@ -32,12 +38,15 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmfleet.cli.fleet_plan import Child, FleetSpec, FleetStartError, plan
+from llmfleet.cli.supervisor import Supervisor
+from llmfleet.shared.wire import tls
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +59,13 @@ class Fleet:
         self.children: list[Child] = []
         self.log_dir = Path(self.spec.log_dir or tempfile.mkdtemp(prefix="llmfleet-"))
         self._channels: dict[str, grpc.Channel] = {}
+        self._tls = tls.load(self.spec.tls_dir)  # health checks of internal children: mTLS
         self._started = False
         self._interrupted = threading.Event()
+        self._lock = threading.Lock()  # held while a child's process is replaced
+        self.supervisor: Supervisor | None = None
+        self.metrics_url: str | None = None  # the supervisor's /metrics (restart counts)
+        self._metrics_httpd: Any = None
 
     def interrupt(self) -> None:
         """Make a `start()` in progress give up (safe from a signal handler or another thread)."""
@@ -73,6 +87,13 @@ class Fleet:
     @property
     def router_address(self) -> str:
         return self.child("router").address
+
+    @property
+    def registry_address(self) -> str:
+        """The router's internal port, where workers register."""
+        argv = self.child("router").argv
+        host, port = (argv[argv.index(flag) + 1] for flag in ("--internal-host", "--internal-port"))
+        return f"{host}:{port}"
 
     @property
     def http_url(self) -> str | None:
@@ -119,6 +140,21 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
+        if self.spec.supervise:
+            self.supervisor = Supervisor(
+                self.children,
+                self._launch,
+                self._lock,
+                min_backoff_s=self.spec.restart_backoff_s,
+                max_backoff_s=self.spec.max_restart_backoff_s,
+            )
+            self.supervisor.start()
+            if self.spec.metrics_port is not None:
+                httpd, _ = prometheus_client.start_http_server(
+                    self.spec.metrics_port, addr=self.spec.host, registry=self.supervisor.registry
+                )
+                self._metrics_httpd = httpd
+                self.metrics_url = f"http://{self.spec.host}:{httpd.server_port}/metrics"
         logger.info(
             "fleet up: %s (logs in %s)",
             ", ".join(f"{c.name}={c.address}" for c in self.children),
@@ -127,22 +163,27 @@ class Fleet:
         return self
 
     def _spawn(self, children: list[Child]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
         for c in children:
-            logger.debug("starting %s: %s", c.name, " ".join(c.argv))
-            c.proc = subprocess.Popen(
-                c.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                process_group=0,  # Ctrl-C in a terminal goes to the launcher only
-            )
+            self._launch(c)
             self.children.append(c)
-            c.pump = threading.Thread(
-                target=_pump, args=(c, self.spec.echo), name=f"pump-{c.name}", daemon=True
-            )
-            c.pump.start()
+
+    def _launch(self, c: Child) -> None:
+        """Start the child's process (again: same argv, same ports) and its output pump."""
+        if c.pump is not None:
+            c.pump.join(5.0)  # the previous process's last lines
+        logger.debug("starting %s: %s", c.name, " ".join(c.argv))
+        c.proc = subprocess.Popen(
+            c.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env},
+            process_group=0,  # Ctrl-C in a terminal goes to the launcher only
+        )
+        c.pump = threading.Thread(
+            target=_pump, args=(c, self.spec.echo), name=f"pump-{c.name}", daemon=True
+        )
+        c.pump.start()
 
     def _health(self, child: Child) -> int | None:
         """The child's overall health status, or None while it does not answer."""
@@ -150,7 +191,8 @@ class Fleet:
             return _http_health(child.address)
         channel = self._channels.get(child.name)
         if channel is None:
-            channel = self._channels[child.name] = grpc.insecure_channel(child.address)
+            internal = self._tls if child.kind != "router" else None  # the public port: plain
+            channel = self._channels[child.name] = tls.channel(child.address, internal)
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0).status
@@ -191,17 +233,15 @@ class Fleet:
 
         `kill`: SIGKILL, as a crash would end it; otherwise SIGTERM and its drain."""
         c = self.child(name)
-        if c.proc is not None and c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                c.proc.wait(self.spec.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-        if c.pump is not None:
-            c.pump.join(5.0)
-        self.children.remove(c)
-        self._spawn([c])
+        with self._lock:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+                try:
+                    c.proc.wait(self.stop_grace_s)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+            self._launch(c)
         self._wait([c], time.monotonic() + self.spec.startup_timeout_s, serving=True)
         logger.info("%s restarted (pid %d)", c.name, c.proc.pid)  # type: ignore[union-attr]
         return c
@@ -213,9 +253,26 @@ class Fleet:
                 return c
         return None
 
+    @property
+    def stop_grace_s(self) -> float:
+        """How long a stopping child may take before it is killed."""
+        s = self.spec
+        return s.stop_grace_s if s.stop_grace_s is not None else s.grace_s + 10.0
+
+    def num_restarts(self, name: str) -> int:
+        """How often the supervisor started child `name` again."""
+        return self.supervisor.num_restarts.get(name, 0) if self.supervisor else 0
+
     def stop(self) -> None:
-        """SIGTERM tier by tier in reverse start order; SIGKILL after the grace period."""
+        """SIGTERM tier by tier in reverse start order (each drains within its grace);
+        SIGKILL after `stop_grace_s`. No child is restarted once this has begun."""
         atexit.unregister(self.stop)
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+            self._metrics_httpd = None
         tiers: dict[str, list[Child]] = {
             "gateway": [],
             "worker": [],
@@ -230,13 +287,13 @@ class Fleet:
             for c in live:
                 logger.debug("stopping %s", c.name)
                 c.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-            deadline = time.monotonic() + self.spec.stop_grace_s
+            deadline = time.monotonic() + self.stop_grace_s
             for c in live:
                 try:
                     c.proc.wait(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
                 except subprocess.TimeoutExpired:
                     logger.warning(
-                        "%s did not stop within %.0f s: killing it", c.name, self.spec.stop_grace_s
+                        "%s did not stop within %.0f s: killing it", c.name, self.stop_grace_s
                     )
                     c.proc.kill()  # type: ignore[union-attr]
                     c.proc.wait()  # type: ignore[union-attr]

@@ -5,6 +5,7 @@
     llmfleet chat [--endpoint HOST:PORT] [--system TEXT]
     llmfleet generate --offline ... PROMPT       (the engine in this process, no fleet)
     llmfleet bench serve [--backend grpc|openai|openai-chat] [--dataset-name ...] ...
+    llmfleet tls init DIR                         (a development CA and fleet credentials)
 
 `generate` and `chat` talk gRPC to a fleet (`--endpoint`, else `LLMFLEET_ENDPOINT`, else
 127.0.0.1:50051); `--offline` runs the engine in this process instead. Only completions go to
@@ -59,16 +60,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command != "up" and args.endpoint is None:
+    if args.command not in ("up", "tls") and args.endpoint is None:
         from llmfleet.client.generation import ClientConfig
         from llmfleet.shared.core.config import from_env
 
         args.endpoint = from_env(ClientConfig).endpoint
+    if getattr(args, "api_key", "") is None:  # generate, chat, bench serve
+        from llmfleet.client.generation import ClientConfig
+        from llmfleet.shared.core.config import from_env
+
+        args.api_key = from_env(ClientConfig).api_key
     try:
         if args.command == "up":
             from llmfleet.cli.up import cmd_up
 
             return cmd_up(args)
+        if args.command == "tls":
+            from llmfleet.cli.tls_init import cmd_tls
+
+            return cmd_tls(args)
         if args.command == "bench":
             from llmfleet.cli.benchserve.runner import main as bench_serve
 

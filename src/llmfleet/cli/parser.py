@@ -9,6 +9,7 @@ import argparse
 
 from llmfleet.cli.benchserve import args as bench_args
 from llmfleet.cli.generate import ENGINE_FLAGS
+from llmfleet.shared.core.api_keys import add_api_key_flag
 from llmfleet.shared.core.config import ROUTING_POLICIES
 from llmfleet.shared.core.engine_flags import add_engine_flags
 
@@ -30,6 +31,9 @@ def _mode_args(p: argparse.ArgumentParser) -> None:
         help="fleet address HOST:PORT (default: $LLMFLEET_ENDPOINT or 127.0.0.1:50051)",
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds per request")
+    p.add_argument(
+        "--api-key", default=None, help="the fleet's API key (default: $LLMFLEET_API_KEY)"
+    )
     p.add_argument("--offline", action="store_true", help="run the engine in this process")
     p.add_argument(
         "--model", help="--offline: HF checkpoint directory or .gguf file (default: bundled)"
@@ -54,7 +58,21 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address of the public ports (router, gateway)"
+    )
+    p.add_argument(
+        "--internal-host",
+        default="127.0.0.1",
+        help="address of every internal port (tokenizer, kvstore, workers, the router's "
+        "Registry; default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--tls-dir",
+        default=None,
+        help="mutual TLS and CURVE on internal traffic with these credentials "
+        "(make them with `llmfleet tls init DIR`); default: plaintext",
+    )
     p.add_argument("--port", type=int, default=50051, help="public (router) port; 0: any")
     p.add_argument("--disaggregated", action="store_true", help="prefill and decode workers")
     p.add_argument("--workers", type=int, default=None, help="unified workers (default 1)")
@@ -72,9 +90,23 @@ def _up_args(p: argparse.ArgumentParser) -> None:
         "--no-gateway", action="store_true", help="run without the OpenAI-compatible HTTP gateway"
     )
     p.add_argument("--http-port", type=int, default=8000, help="the gateway's port; 0: any")
+    add_api_key_flag(
+        p,
+        "a key callers of the router and gateway must send (repeatable; default: "
+        "$LLMFLEET_API_KEYS; none: open); the client sends SECRET",
+    )
     p.add_argument("--log-dir", default=None, help="children's logs (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="do not copy children's logs to stderr")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    p.add_argument(
+        "--grace-s", type=float, default=30.0, help="on stop: open streams finish for this long"
+    )
+    p.add_argument(
+        "--no-restart", action="store_true", help="a child that exits stops the fleet (no restart)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve child restart counts here (0: any)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     engine = p.add_argument_group("the workers' engine (see python -m llmfleet.services.worker)")
     add_engine_flags(engine, skip=ENGINE_FLAGS)
@@ -126,4 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_args.add_arguments(serve)
+    tls = sub.add_parser("tls", help="credentials for the fleet's internal traffic")
+    tls_sub = tls.add_subparsers(dest="tls_command", required=True)
+    init = tls_sub.add_parser(
+        "init",
+        help="make a development CA, a fleet certificate and a CURVE keypair in DIR",
+        description="Write DIR/ca.crt, DIR/ca.key, DIR/fleet.crt, DIR/fleet.key and "
+        "DIR/curve/fleet.key{,_secret}: what `llmfleet up --tls-dir DIR` and every service's "
+        "--tls-dir read (mutual TLS on internal gRPC, CURVE on ZMQ). Prints the files written.",
+    )
+    init.add_argument("dir", help="directory to create (must not hold credentials already)")
+    init.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    init.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     return parser

@@ -1,8 +1,10 @@
 """`llmfleet up`: start a fleet on this machine from the command line's arguments, print its
 endpoint (and the gateway's URL) on stdout once every child is SERVING, then run until
-SIGINT/SIGTERM, a child exiting on its own, or the end of `--chat`; the fleet is stopped on
-every way out. Exit status: 0 after a requested stop (or the chat's own status), 1 when the
-fleet did not start or a child exited; bad arguments raise `ValidationError` (status 2).
+SIGINT/SIGTERM or the end of `--chat`, starting again any child that exits (launcher.py,
+supervisor.py; with `--no-restart` a child exiting stops the fleet instead); the fleet is drained
+and stopped on every way out. Exit status: 0 after a requested stop (or the chat's own status), 1
+when the fleet did not start or (`--no-restart`) a child exited; bad arguments raise
+`ValidationError` (status 2).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import IO
 from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError
 from llmfleet.cli.generate import ENGINE_FLAGS, remote_chat
 from llmfleet.cli.launcher import Fleet, write_line
-from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.config import ENV_PREFIX, AuthConfig, EngineConfig, from_env
 from llmfleet.shared.core.errors import ValidationError
 
 # The engine settings `up` forwards to its workers as they are (ENGINE_FLAGS choose the model).
@@ -32,9 +34,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ValidationError("--workers", "use --prefill-workers/--decode-workers with it")
     if not args.disaggregated and (args.prefill_workers or args.decode_workers):
         raise ValidationError("--prefill-workers", "applies with --disaggregated only")
+    auth = from_env(AuthConfig, api_keys=args.api_keys)  # --api-key over $LLMFLEET_API_KEYS
+    # The router and gateway read their keys from the environment, not from argv (`ps`).
+    env = {f"{ENV_PREFIX}API_KEYS": ",".join(auth.api_keys)} if args.api_keys else {}
     spec = FleetSpec(
         host=args.host,
         port=args.port,
+        internal_host=args.internal_host,
+        tls_dir=args.tls_dir,
         disaggregated=args.disaggregated,
         workers=args.workers if args.workers is not None else 1,
         prefill_workers=args.prefill_workers if args.prefill_workers is not None else 1,
@@ -51,13 +58,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         echo=not args.quiet,
         startup_timeout_s=args.startup_timeout,
+        env=env,
+        grace_s=args.grace_s,
+        supervise=not args.no_restart,
+        metrics_port=args.metrics_port,
     )
     session = None
     if args.chat:
 
         def session(endpoint: str) -> int:
             # The engine flags chose the fleet's model; the chat itself is a plain client.
-            chat_args = argparse.Namespace(**{**vars(args), "endpoint": endpoint})
+            chat_args = argparse.Namespace(
+                **{**vars(args), "endpoint": endpoint, "api_key": auth.keyring.any_secret()}
+            )
             for flag in ENGINE_FLAGS:
                 setattr(chat_args, flag, None)
             return remote_chat(chat_args)
@@ -71,7 +84,8 @@ def run(
     out: IO[str] | None = None,
     session: Callable[[str], int] | None = None,
 ) -> int:
-    """`llmfleet up`: start, print the endpoint, run until SIGINT/SIGTERM or a child dies.
+    """`llmfleet up`: start, print the endpoint, run until SIGINT/SIGTERM (or, unsupervised,
+    a child dies).
 
     With `session` (e.g. an interactive chat), call it with the endpoint once the fleet serves
     and stop the fleet when it returns; its return value is the exit status.
@@ -101,6 +115,8 @@ def run(
         print(f"llmfleet: serving on {fleet.endpoint}", file=out, flush=True)
         if fleet.http_url is not None:
             print(f"llmfleet: OpenAI-compatible API on {fleet.http_url}/v1", file=out, flush=True)
+        if fleet.metrics_url is not None:
+            write_line(sys.stderr, f"llmfleet: child restarts on {fleet.metrics_url}")
         if session is not None:
             in_session.set()
             try:
@@ -111,7 +127,7 @@ def run(
                 in_session.clear()
         write_line(sys.stderr, f"llmfleet: logs in {fleet.log_dir}; Ctrl-C stops the fleet")
         while not stop.wait(0.2):
-            dead = fleet.poll()
+            dead = fleet.poll() if fleet.supervisor is None else None
             if dead is not None:
                 write_line(
                     sys.stderr,
@@ -120,7 +136,7 @@ def run(
                     f"{dead.output_tail()}",
                 )
                 return 1
-        write_line(sys.stderr, "llmfleet: stopping")
+        write_line(sys.stderr, f"llmfleet: draining (grace {spec.grace_s:g} s) and stopping")
         return 0
     finally:
         fleet.stop()

@@ -6,7 +6,7 @@
         for delta in client.stream("Tell me a story.", max_tokens=64):
             print(delta.text, end="", flush=True)
 
-    async with AsyncGenerationClient("127.0.0.1:50051") as client:
+    async with AsyncGenerationClient("127.0.0.1:50051", api_key="sk-...") as client:
         res = await client.generate(messages=[{"role": "user", "content": "Hi"}])
         async for delta in client.stream(token_ids=[1, 2, 3], raw=True):
             ...
@@ -14,7 +14,8 @@
 A plain `str` prompt is sent as one user chat message (the model's chat template applies) unless
 `raw=True`, which sends it as text to be completed as is. Sampling arguments left as None take
 the server's defaults (see `SamplingParams` in common.proto). Every gRPC failure surfaces as
-`ClientError(code_name, message)` carrying the server's message.
+`ClientError(code_name, message)` carrying the server's message. A client's `api_key` goes
+with every call as `authorization: Bearer <key>` metadata (a fleet with keys needs it).
 
 The blocking and the asyncio client share everything but the waiting: requests are built and
 responses parsed once (`messages.py`, `_Calls`); each client only invokes the stub. This module
@@ -24,7 +25,7 @@ imports grpc and the generated messages, never torch, so the CLI starts fast.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -42,7 +43,9 @@ from llmfleet.client.messages import (
 )
 from llmfleet.shared.core.errors import LLMFleetError
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.wire.api_key_auth import auth_metadata
 from llmfleet.shared.wire.convert import model_info_from_pb
+from llmfleet.shared.wire.limits import pushback_s
 from llmfleet.shared.wire.tracing import metadata
 from llmfleet.v1 import generation_pb2, generation_pb2_grpc
 
@@ -55,18 +58,22 @@ _CHANNEL_OPTIONS = [
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Where the client connects; `LLMFLEET_ENDPOINT` sets it (through `config.from_env`)."""
+    """Where the client connects and the API key it sends; `LLMFLEET_ENDPOINT` and
+    `LLMFLEET_API_KEY` set them (through `config.from_env`)."""
 
     endpoint: str = DEFAULT_ENDPOINT
+    api_key: str | None = field(default=None, repr=False)
 
 
 class ClientError(LLMFleetError):
-    """A failed call. `code_name` is the gRPC status name (e.g. "INVALID_ARGUMENT")."""
+    """A failed call. `code_name` is the gRPC status name (e.g. "INVALID_ARGUMENT");
+    `retry_after_s`: the server's retry pushback (overload), None when it sent none."""
 
-    def __init__(self, code_name: str, message: str) -> None:
+    def __init__(self, code_name: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code_name}: {message}")
         self.code_name = code_name
         self.message = message
+        self.retry_after_s = retry_after_s
 
     @property
     def is_invalid_argument(self) -> bool:
@@ -78,7 +85,8 @@ def _client_error(exc: grpc.RpcError) -> ClientError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else None
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-    return ClientError(name, details or str(exc))
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return ClientError(name, details or str(exc), pushback_s(trailing))
 
 
 # A unary RPC: (stub method name, request message, the response's conversion).
@@ -88,15 +96,20 @@ _Unary = tuple[str, Message, Callable[[Any], Any]]
 class _Calls:
     """What both clients send and how they read the answers; subclasses only invoke."""
 
-    def __init__(self, endpoint: str, channel: Any) -> None:
+    def __init__(self, endpoint: str, channel: Any, api_key: str | None) -> None:
         self.endpoint = endpoint
         self._channel = channel
         self._stub = generation_pb2_grpc.GenerationStub(channel)
+        self._auth = auth_metadata(api_key)  # `authorization: Bearer <key>` on every call
 
-    def _start_generate(self, prompt: str | None, timeout: float | None, kwargs: Any) -> Any:
+    def _start_generate(
+        self, prompt: str | None, timeout: float | None, api_key: str | None, kwargs: Any
+    ) -> Any:
         req = build_request(prompt, **kwargs)
+        auth = auth_metadata(api_key) if api_key else self._auth
         # An application's current span (if any) becomes the parent of the fleet's llm_request.
-        call = self._stub.Generate(req, timeout=timeout, metadata=metadata())
+        md = [*(metadata() or ()), *auth]
+        call = self._stub.Generate(req, timeout=timeout, metadata=md or None)
         return call, num_completions(req)
 
     @staticmethod
@@ -168,14 +181,21 @@ class GenerateStream(_StreamState):
 class GenerationClient(_Calls):
     """Blocking client over one gRPC channel; thread-safe (grpc channels are)."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT) -> None:
-        super().__init__(endpoint, grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS))
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, api_key: str | None = None) -> None:
+        channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        super().__init__(endpoint, channel, api_key)
 
     def stream(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
+        self,
+        prompt: str | None = None,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        **kwargs: Any,
     ) -> GenerateStream:
-        """Start a Generate call (arguments as `build_request`); iterate it for `Delta`s."""
-        return GenerateStream(*self._start_generate(prompt, timeout, kwargs))
+        """Start a Generate call (arguments as `build_request`; `api_key` over the client's);
+        iterate it for `Delta`s."""
+        return GenerateStream(*self._start_generate(prompt, timeout, api_key, kwargs))
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
@@ -199,7 +219,8 @@ class GenerationClient(_Calls):
     def _unary(self, rpc: _Unary, timeout: float | None) -> Any:
         method, req, parse = rpc
         try:
-            return parse(getattr(self._stub, method)(req, timeout=timeout))
+            md = self._auth or None
+            return parse(getattr(self._stub, method)(req, timeout=timeout, metadata=md))
         except grpc.RpcError as exc:
             raise _client_error(exc) from None
 
@@ -233,13 +254,19 @@ class AsyncGenerateStream(_StreamState):
 class AsyncGenerationClient(_Calls):
     """grpc.aio client; create and use it inside one running event loop."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT) -> None:
-        super().__init__(endpoint, grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS))
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, api_key: str | None = None) -> None:
+        channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        super().__init__(endpoint, channel, api_key)
 
     def stream(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
+        self,
+        prompt: str | None = None,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        **kwargs: Any,
     ) -> AsyncGenerateStream:
-        return AsyncGenerateStream(*self._start_generate(prompt, timeout, kwargs))
+        return AsyncGenerateStream(*self._start_generate(prompt, timeout, api_key, kwargs))
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
@@ -261,7 +288,8 @@ class AsyncGenerationClient(_Calls):
     async def _unary(self, rpc: _Unary, timeout: float | None) -> Any:
         method, req, parse = rpc
         try:
-            return parse(await getattr(self._stub, method)(req, timeout=timeout))
+            md = self._auth or None
+            return parse(await getattr(self._stub, method)(req, timeout=timeout, metadata=md))
         except grpc.RpcError as exc:
             raise _client_error(exc) from None
 

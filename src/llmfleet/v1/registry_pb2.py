@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmfleet.v1 import common_pb2 as llmfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmfleet/v1/registry.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\"\xcc\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.llmfleet.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\x04 \x01(\t\x12%\n\x05model\x18\x05 \x01(\x0b\x32\x16.llmfleet.v1.ModelInfo\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\"7\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\"L\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04load\x18\x02 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse2\x92\x02\n\x08Registry\x12Y\n\x0eRegisterWorker\x12\".llmfleet.v1.RegisterWorkerRequest\x1a#.llmfleet.v1.RegisterWorkerResponse\x12J\n\tHeartbeat\x12\x1d.llmfleet.v1.HeartbeatRequest\x1a\x1e.llmfleet.v1.HeartbeatResponse\x12_\n\x10\x44\x65registerWorker\x12$.llmfleet.v1.DeregisterWorkerRequest\x1a%.llmfleet.v1.DeregisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmfleet/v1/registry.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\"\xcc\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.llmfleet.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\x04 \x01(\t\x12%\n\x05model\x18\x05 \x01(\x0b\x32\x16.llmfleet.v1.ModelInfo\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\"7\n\x16RegisterWorkerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\"L\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04load\x18\x02 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"c\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"G\n\x18\x44\x65registerWorkerResponse\x12\x19\n\x11moved_request_ids\x18\x01 \x03(\t\x12\x10\n\x08replaced\x18\x02 \x01(\x08\x32\x92\x02\n\x08Registry\x12Y\n\x0eRegisterWorker\x12\".llmfleet.v1.RegisterWorkerRequest\x1a#.llmfleet.v1.RegisterWorkerResponse\x12J\n\tHeartbeat\x12\x1d.llmfleet.v1.HeartbeatRequest\x1a\x1e.llmfleet.v1.HeartbeatResponse\x12_\n\x10\x44\x65registerWorker\x12$.llmfleet.v1.DeregisterWorkerRequest\x1a%.llmfleet.v1.DeregisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_start=411
   _globals['_HEARTBEATRESPONSE']._serialized_end=445
   _globals['_DEREGISTERWORKERREQUEST']._serialized_start=447
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=491
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=493
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=519
-  _globals['_REGISTRY']._serialized_start=522
-  _globals['_REGISTRY']._serialized_end=796
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=546
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=548
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=619
+  _globals['_REGISTRY']._serialized_start=622
+  _globals['_REGISTRY']._serialized_end=896
 # @@protoc_insertion_point(module_scope)

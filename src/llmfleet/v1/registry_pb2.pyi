@@ -1,7 +1,8 @@
 from llmfleet.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -43,11 +44,21 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "draining", "request_ids", "reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., draining: _Optional[bool] = ..., request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("moved_request_ids", "replaced")
+    MOVED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    moved_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    replaced: bool
+    def __init__(self, moved_request_ids: _Optional[_Iterable[str]] = ..., replaced: _Optional[bool] = ...) -> None: ...

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat")
+    __slots__ = ("text", "chat", "max_num_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: _common_pb2.ChatPrompt
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ...) -> None: ...
+    max_num_tokens: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ..., max_num_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids",)

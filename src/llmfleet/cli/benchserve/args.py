@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     target.add_argument("--base-url", default=None, help="openai*: e.g. http://127.0.0.1:8000")
     target.add_argument(
+        "--api-key", default=None, help="the fleet's API key (default: $LLMFLEET_API_KEY)"
+    )
+    target.add_argument(
         "--endpoint-path",
         default=None,
         help="openai*: default /v1/completions or /v1/chat/completions",

@@ -85,11 +85,12 @@ class GrpcBackend:
         temperature: float = 0.0,
         ignore_eos: bool = True,
         timeout_s: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         from llmfleet.client.generation import AsyncGenerationClient
 
         self.target = endpoint
-        self._client = AsyncGenerationClient(endpoint)
+        self._client = AsyncGenerationClient(endpoint, api_key=api_key)
         self._sampling: dict[str, Any] = {"temperature": temperature, "ignore_eos": ignore_eos}
         self._timeout = timeout_s
 
@@ -151,6 +152,7 @@ class OpenAIBackend:
         ignore_eos: bool = True,
         timeout_s: float | None = None,
         max_connections: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValidationError("--base-url", f"must start with http:// or https://: {base_url}")
@@ -163,6 +165,7 @@ class OpenAIBackend:
         self._timeout_s = timeout_s
         self._max_connections = max_connections or 0  # 0: no limit
         self._session: Any = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _http(self) -> Any:  # -> aiohttp.ClientSession, created inside the running loop
         import aiohttp
@@ -171,6 +174,7 @@ class OpenAIBackend:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections),
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+                headers=self._headers,
             )
         return self._session
 

@@ -111,6 +111,7 @@ def _backend(args: argparse.Namespace) -> Backend:
         "temperature": args.temperature,
         "ignore_eos": args.ignore_eos,
         "timeout_s": args.request_timeout,
+        "api_key": args.api_key,
     }
     if args.backend == "grpc":
         return GrpcBackend(args.endpoint, **common)

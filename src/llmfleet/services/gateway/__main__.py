@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.shared.core.api_keys import add_api_key_flag
+from llmfleet.shared.core.config import AuthConfig, GatewayConfig
 from llmfleet.shared.wire.service_main import ServiceMain
 
 
@@ -26,6 +27,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request-timeout-s", type=float, default=None, help="per request")
     p.add_argument("--grace-s", type=float, default=None, help="drain time on SIGTERM")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get 413 unread (default 16 MiB)",
+    )
+    add_api_key_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -33,7 +41,7 @@ SERVICE = ServiceMain(
     package="llmfleet.services.gateway",
     description="The llmfleet OpenAI-compatible HTTP gateway (in front of the router).",
     add_flags=add_flags,
-    configs=(GatewayConfig,),
+    configs=(GatewayConfig, AuthConfig),
     port_help="HTTP port (default 8000; 0: any)",
     metrics_port_help="also serve /metrics here",
 )

@@ -6,8 +6,9 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health
 (200 once the router reports a model, else 503), GET /metrics (Prometheus). Every error,
 including malformed bodies and unknown routes, is answered in OpenAI's error shape
-(errors.py). A request names the served model or gets a 404; each becomes exactly one Generate
-call whose gRPC request id is the response's `id`.
+(errors.py); a body over `max_request_bytes` is a 413 before it is read (body_limit.py). A
+request names the served model or gets a 404; each becomes exactly one Generate call whose gRPC
+request id is the response's `id`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmfleet.client.generation import ClientError
 from llmfleet.services.gateway import convert
+from llmfleet.services.gateway.auth import ApiKeyMiddleware, caller_key
+from llmfleet.services.gateway.body_limit import BodyLimitMiddleware
 from llmfleet.services.gateway.convert import Call
 from llmfleet.services.gateway.errors import APIError, from_client_error, from_validation, invalid
 from llmfleet.services.gateway.metrics import MetricsMiddleware
@@ -35,7 +38,7 @@ from llmfleet.services.gateway.protocol import ChatCompletionRequest, Completion
 from llmfleet.services.gateway.streaming import ChunkBuilder, DisconnectWatch, sse
 from llmfleet.services.gateway.tracing import end_request_span, ending_with, start_request_span
 from llmfleet.services.gateway.upstream import ServedModel, Upstream
-from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.shared.core.config import AuthConfig, GatewayConfig
 from llmfleet.shared.core.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -51,8 +54,12 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
-def create_app(config: GatewayConfig, *, tokenizer: Any = None) -> FastAPI:
-    """The ASGI app; `tokenizer` (the served model's) is loaded from `config.model` if None."""
+def create_app(
+    config: GatewayConfig, *, tokenizer: Any = None, auth: AuthConfig | None = None
+) -> FastAPI:
+    """The ASGI app; `tokenizer` (the served model's) is loaded from `config.model` if None;
+    `auth`: the API keys callers must send (None or empty: open; auth.py)."""
+    keys = (auth or AuthConfig()).keyring
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,7 +68,7 @@ def create_app(config: GatewayConfig, *, tokenizer: Any = None) -> FastAPI:
             from llmfleet.text.loading import load_tokenizer
 
             tok = await asyncio.to_thread(load_tokenizer, config.model)
-        app.state.upstream = Upstream(config, tok)
+        app.state.upstream = Upstream(config, tok, api_key=keys.any_secret())
         try:
             yield
         finally:
@@ -70,6 +77,8 @@ def create_app(config: GatewayConfig, *, tokenizer: Any = None) -> FastAPI:
     app = FastAPI(
         title="llmfleet", lifespan=lifespan, docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY
     )
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes)
+    app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(MetricsMiddleware, endpoints=ROUTES)
     _install_error_handlers(app)
 
@@ -132,6 +141,7 @@ async def _context_left(up: Upstream, served: ServedModel, call: Call) -> int:
             up.speller.chat_prompt_len,
             call.kwargs["messages"],
             add_generation_prompt=call.kwargs["add_generation_prompt"],
+            max_num_tokens=served.info.max_model_len,
         )
     except ValidationError as exc:
         raise from_validation(exc) from None
@@ -169,7 +179,10 @@ async def _answer(call: Call, served: ServedModel, up: Upstream, request: Reques
     (so that errors before it still get their HTTP status)."""
     try:
         stream = up.client.stream(
-            request_id=call.request_id, timeout=up.config.request_timeout_s, **call.kwargs
+            request_id=call.request_id,
+            timeout=up.config.request_timeout_s,
+            api_key=caller_key(request.headers),  # the router checks it and salts by tenant
+            **call.kwargs,
         )
     except ValidationError as exc:
         raise from_validation(exc, call.params) from None

@@ -1,7 +1,8 @@
 """Run the gateway: uvicorn serving `create_app(config)` until SIGTERM/SIGINT.
 
-On a signal uvicorn stops accepting connections, lets open requests (streams included) finish
-for `grace_s`, then closes the rest (their Generate calls are cancelled) and the gRPC channel.
+On a signal the gateway drains (drain.py): new requests get 503, open requests (streams
+included) finish for `grace_s`, then the rest are closed (their Generate calls are cancelled)
+with the gRPC channel, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ import prometheus_client
 import uvicorn
 
 from llmfleet.services.gateway.app import create_app
-from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.services.gateway.drain import DrainGate, DrainingServer
+from llmfleet.shared.core.config import AuthConfig, GatewayConfig
 from llmfleet.shared.core.errors import LLMFleetError
 from llmfleet.shared.wire.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
 
-def build_server(config: GatewayConfig, *, tokenizer: Any = None) -> uvicorn.Server:
-    app = create_app(config, tokenizer=tokenizer)
-    return uvicorn.Server(
+def build_server(
+    config: GatewayConfig, *, tokenizer: Any = None, auth: AuthConfig | None = None
+) -> uvicorn.Server:
+    app = DrainGate(create_app(config, tokenizer=tokenizer, auth=auth))
+    return DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
@@ -31,7 +35,8 @@ def build_server(config: GatewayConfig, *, tokenizer: Any = None) -> uvicorn.Ser
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=config.grace_s,
-        )
+        ),
+        grace_s=config.grace_s,
     )
 
 
@@ -41,11 +46,13 @@ def bound_address(server: uvicorn.Server) -> str:
     return f"{host}:{port}"
 
 
-async def serve(config: GatewayConfig, *, tokenizer: Any = None) -> None:
+async def serve(
+    config: GatewayConfig, auth: AuthConfig | None = None, *, tokenizer: Any = None
+) -> None:
     """Serve until a signal; raises LLMFleetError when the app could not start (e.g. the
     tokenizer failed to load; uvicorn has logged why)."""
     setup_tracing("gateway")  # OTEL_* variables; a bad value stops the start, naming it
-    server = build_server(config, tokenizer=tokenizer)
+    server = build_server(config, tokenizer=tokenizer, auth=auth)
     if config.metrics_port is not None:
         httpd, _ = prometheus_client.start_http_server(config.metrics_port, addr=config.host)
         logger.info("gateway metrics on :%d", httpd.server_port)

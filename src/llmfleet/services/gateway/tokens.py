@@ -15,7 +15,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmfleet.text.chat import tokenize_chat
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.text.chat import encode_rendered, render_chat
+from llmfleet.text.prompt_bound import max_bytes_per_token, min_num_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,35 @@ class TokenSpeller:
         return text, list(text.encode("utf-8"))
 
     def chat_prompt_len(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        max_num_tokens: int | None = None,
     ) -> int:
-        """Tokens of the chat prompt as the tokenizer service renders it (same function)."""
-        ids = tokenize_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
-        return len(ids)
+        """Tokens of the chat prompt as the tokenizer service renders it (same functions).
+
+        With `max_num_tokens` (the context length) a longer prompt is a ValidationError of
+        `messages` naming its length and the limit, found before tokenizing when the cheap bound
+        of text/prompt_bound.py shows it."""
+        text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        if max_num_tokens is not None and self._per_token is not None:
+            at_least = min_num_tokens(text, self._per_token)
+            if at_least > max_num_tokens:
+                raise ValidationError(
+                    "messages",
+                    f"the prompt has at least {at_least} tokens, more than the context length "
+                    f"of {max_num_tokens} tokens",
+                )
+        num = len(encode_rendered(self.tokenizer, text))
+        if max_num_tokens is not None and num > max_num_tokens:
+            raise ValidationError(
+                "messages",
+                f"the prompt has {num} tokens, more than the context length of "
+                f"{max_num_tokens} tokens",
+            )
+        return num
+
+    @functools.cached_property
+    def _per_token(self) -> int | None:
+        return max_bytes_per_token(self.tokenizer)

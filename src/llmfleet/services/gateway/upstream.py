@@ -35,9 +35,12 @@ class ServedModel:
 class Upstream:
     """Create and use inside one running event loop (the gRPC channel is bound to it)."""
 
-    def __init__(self, config: GatewayConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, config: GatewayConfig, tokenizer: Any, *, api_key: str | None = None
+    ) -> None:
+        """`api_key`: sent with the gateway's own calls; Generate calls carry their caller's."""
         self.config = config
-        self.client = AsyncGenerationClient(config.router_address)
+        self.client = AsyncGenerationClient(config.router_address, api_key=api_key)
         self.speller = TokenSpeller(tokenizer)
         self._model: ServedModel | None = None
         self._lock = asyncio.Lock()

@@ -11,6 +11,7 @@ import sys
 
 from llmfleet.shared.core.config import KVStoreConfig
 from llmfleet.shared.wire.service_main import ServiceMain
+from llmfleet.shared.wire.tls import TLS_DIR_HELP
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-bytes", type=lambda s: int(s, 0), help="RAM tier budget in bytes")
     p.add_argument("--disk-dir", help="disk tier directory (default: no disk tier)")
     p.add_argument("--disk-bytes", type=lambda s: int(s, 0), help="disk tier budget in bytes")
+    p.add_argument("--tls-dir", help=TLS_DIR_HELP)
 
 
 SERVICE = ServiceMain(

@@ -23,6 +23,7 @@ from llmfleet.services.kvstore.runner import StoreRunner
 from llmfleet.services.kvstore.store import HASH_BYTES, BlockStore
 from llmfleet.shared.core.config import KVStoreConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.shared.wire import tls
 from llmfleet.shared.wire.kv_events import KVEventPublisher
 from llmfleet.shared.wire.service import Service, Unavailable, abort_with
 from llmfleet.shared.wire.transport import Frame, bind, recv_loop
@@ -108,8 +109,9 @@ class KVStoreServer:
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
+        self.tls = tls.load(config.tls_dir)
         self.service = Service(
-            "kvstore", config.host, config.port, metrics_port=config.metrics_port
+            "kvstore", config.host, config.port, metrics_port=config.metrics_port, tls=self.tls
         )
         self.data_endpoint = ""
         self.events_endpoint = ""
@@ -139,7 +141,7 @@ class KVStoreServer:
         store = await loop.run_in_executor(
             None, lambda: BlockStore(cfg.ram_bytes, cfg.disk_dir, cfg.disk_bytes)
         )
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = tls.zmq_context(self.tls)  # with tls: the data and event ports are CURVE
         publisher = KVEventPublisher(self._ctx, cfg.host, PUBLISHER_ID, cfg.events_port)
         self.events_endpoint = publisher.endpoint
         self.runner = StoreRunner(store, publisher)

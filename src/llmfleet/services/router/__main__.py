@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfleet.shared.core.config import ROUTING_POLICIES, RouterConfig
+from llmfleet.shared.core.api_keys import add_api_key_flag
+from llmfleet.shared.core.config import ROUTING_POLICIES, AuthConfig, RouterConfig
 from llmfleet.shared.wire.service_main import ServiceMain
+from llmfleet.shared.wire.tls import TLS_DIR_HELP
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -32,6 +34,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest Generate request taken, in bytes (default 32 MiB, at most 64 MiB)",
+    )
+    p.add_argument(
+        "--grace-s", type=float, default=None, help="drain time for open streams on SIGTERM (30)"
+    )
+    p.add_argument(
         "--kvstore", dest="kvstore_address", default=None, help="the kvstore's HOST:PORT"
     )
     p.add_argument(
@@ -40,6 +51,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the kvstore's KV-event endpoint (with --kvstore: routing sees what it holds)",
     )
+    add_api_key_flag(p)
+    p.add_argument(
+        "--internal-host", help="address of the Registry and reply endpoint (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--internal-port", type=int, help="the Registry's own port (default: the public one)"
+    )
+    p.add_argument("--tls-dir", help=TLS_DIR_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -47,7 +66,7 @@ SERVICE = ServiceMain(
     package="llmfleet.services.router",
     description="The llmfleet router (public Generation API, routing, orchestration).",
     add_flags=add_flags,
-    configs=(RouterConfig,),
+    configs=(RouterConfig, AuthConfig),
     metrics_port_help="Prometheus /metrics port",
 )
 main = SERVICE.main

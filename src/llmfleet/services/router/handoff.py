@@ -214,7 +214,7 @@ class LeaseHandoff:
     ) -> worker_pb2.PrefillResponse:
         """One attempt: ReserveKV on D, Prefill on P (which pushes the KV to D). Raises
         _AttemptFailed for a failure worth a retry elsewhere (the lease is released first)."""
-        (decode_id, d_stub), (prefill_id, p_stub) = decode, prefill
+        (decode_id, d_stub), (prefill_id, _) = decode, prefill
         try:
             reserved = await d_stub.ReserveKV(
                 worker_pb2.ReserveKVRequest(
@@ -243,6 +243,12 @@ class LeaseHandoff:
             pb_lease.expires_at_unix_ms,
             pb_lease.num_blocks,
         )
+        # The prefill worker may have left while D reserved: its channel is closed then.
+        p_stub = self.pool.stub(prefill_id)
+        if p_stub is None:
+            await self.release_now(run, "released")
+            why = f"prefill worker {prefill_id} left"
+            raise _AttemptFailed(prefill_id, why, grpc.StatusCode.UNAVAILABLE)
         try:
             return await p_stub.Prefill(
                 worker_pb2.PrefillRequest(

@@ -59,6 +59,7 @@ from llmfleet.shared.wire.convert import FINISH_FROM_PB
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.wire.service import Unavailable
+from llmfleet.shared.wire.tls import FleetTLS
 from llmfleet.shared.wire.tracing import metadata
 from llmfleet.v1 import (
     common_pb2,
@@ -81,14 +82,15 @@ class Router:
         config: RouterConfig,
         ctx: zmq.asyncio.Context,
         tokenizer: tokenizer_pb2_grpc.TokenizerStub,
+        tls: FleetTLS | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
         self.registry = WorkerRegistry(config.heartbeat_timeout_ms)
-        self.pool = WorkerPool(lambda wid: self.worker_gone(wid, "connection lost"))
+        self.pool = WorkerPool(lambda wid: self.worker_gone(wid, "connection lost"), tls)
         self.kv = KVSubscriber(ctx, self._fetch_snapshot)
-        self.replies = ReplyReceiver(ctx, config.host)
+        self.replies = ReplyReceiver(ctx, config.internal_host, on_batch=self.registry.touch)
         self.policy: Policy = make_policy(config.routing_policy, config.prefix_load_threshold)
         self.placement = Placement(
             config,
@@ -378,11 +380,8 @@ class Router:
         stub = self.pool.stub(leg.worker_id)
         if stub is None:
             return
-        req = worker_pb2.CancelRequest(
-            request_id=leg.wire_id, reason=reason, stop_string=stop_string
-        )
-        if wire_index is not None:
-            req.index = wire_index
+        req = worker_pb2.CancelRequest(request_id=leg.wire_id, reason=reason, index=wire_index)
+        req.stop_string = stop_string
         self._spawn(stub.Cancel(req, timeout=CONTROL_TIMEOUT_S, metadata=metadata(run.trace)))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

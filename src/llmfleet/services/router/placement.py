@@ -313,14 +313,17 @@ class Placement:
         why = f"worker {worker_id} failed: {why}"
         self.retry(run, worker_id, why, grpc.StatusCode.UNAVAILABLE)
         metrics.MIGRATIONS.inc()
-        if not any(c.token_ids for c in unfinished):
-            params = dataclasses.replace(run.params, n=len(unfinished))
-            await self.place(run, tuple(c.index for c in unfinished), run.prompt_ids, params)
-            return
-        for c in unfinished:
-            await self.place(
-                run, (c.index,), run.prompt_ids + c.token_ids, _continuation(run.params, c)
-            )
+        try:
+            if not any(c.token_ids for c in unfinished):
+                params = dataclasses.replace(run.params, n=len(unfinished))
+                await self.place(run, tuple(c.index for c in unfinished), run.prompt_ids, params)
+                return
+            for c in unfinished:
+                await self.place(
+                    run, (c.index,), run.prompt_ids + c.token_ids, _continuation(run.params, c)
+                )
+        except Unavailable as exc:  # the client learns why its request had to move
+            raise Unavailable(f"{why}; {exc}") from None
 
 
 def _continuation(params: SamplingParams, c: CompletionState) -> SamplingParams:

@@ -6,7 +6,9 @@
 
 Errors are `ValidationError`s naming the request field (`text`, `tokens.token_ids`,
 `chat.messages[0].role`, `sampling.max_tokens`, ...); a tokenizer that cannot be reached is
-`Unavailable`.
+`Unavailable`. A prompt longer than the context is an error of the prompt's field naming its
+length and the limit (found by the tokenizer, before tokenizing all of a text too long by a
+cheap bound); `sampling.max_tokens` is blamed only when the prompt fits but leaves no room.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ async def prompt_token_ids(
     """The prompt's token ids (`trace`: the request's context, sent along to the tokenizer)."""
     if kind == "tokens":
         ids = list(req.tokens.token_ids)
+        if len(ids) > model.max_model_len:
+            raise ValidationError(
+                "tokens.token_ids",
+                f"the prompt has {len(ids)} tokens, more than the context length of "
+                f"{model.max_model_len} tokens",
+            )
         for i, t in enumerate(ids):
             if not 0 <= t < model.vocab_size:
                 raise ValidationError(
@@ -55,10 +63,13 @@ async def prompt_token_ids(
                     f"[0, {model.vocab_size})",
                 )
         return ids
+    # The tokenizer refuses a prompt longer than the context, without tokenizing a text that
+    # is too long by its cheap bound.
+    limit = model.max_model_len
     tok_req = (
-        tokenizer_pb2.TokenizeRequest(text=req.text)
+        tokenizer_pb2.TokenizeRequest(text=req.text, max_num_tokens=limit)
         if kind == "text"
-        else tokenizer_pb2.TokenizeRequest(chat=req.chat)
+        else tokenizer_pb2.TokenizeRequest(chat=req.chat, max_num_tokens=limit)
     )
     try:
         resp = await tokenizer.Tokenize(
@@ -70,6 +81,12 @@ async def prompt_token_ids(
         raise Unavailable(f"tokenizer: {exc.code().name}: {exc.details()}") from None
     if not resp.token_ids:
         raise ValidationError(kind, "the prompt has no tokens")
+    if len(resp.token_ids) > limit:  # a tokenizer that does not check max_num_tokens
+        raise ValidationError(
+            "text" if kind == "text" else "chat.messages",
+            f"the prompt has {len(resp.token_ids)} tokens, more than the context length of "
+            f"{limit} tokens",
+        )
     return list(resp.token_ids)
 
 

@@ -2,7 +2,8 @@
 
 Pure Python (no grpc/protobuf): the Registry servicer converts messages into the frozen
 dataclasses below. A worker is *live* while its last heartbeat (or registration) is younger
-than `heartbeat_timeout_ms`; only live workers receive traffic. Removing a worker (deregistered,
+than `heartbeat_timeout_ms` (outputs streamed from it count as a heartbeat); only live
+workers that are not draining receive new requests. Removing a worker (deregistered,
 or declared dead after a channel failure) makes its next heartbeat answer `known=False`, which
 tells it to register again. Mutated only by the router's event loop.
 """
@@ -50,7 +51,8 @@ class WorkerInfo:
     kv_events_endpoint: str
     model: ModelInfo
     load: Load = field(default_factory=Load)
-    last_heartbeat: float = 0.0  # clock() seconds
+    last_heartbeat: float = 0.0  # clock() seconds: its last heartbeat or streamed output
+    draining: bool = False  # finishing what it runs; receives no new requests
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,21 @@ class WorkerRegistry:
         )
         return True
 
+    def touch(self, worker_id: str) -> None:
+        """Outputs streamed from the worker: it is alive even if a heartbeat is late (a starved
+        CPU delays heartbeats, not the tokens already flowing)."""
+        old = self._workers.get(worker_id)
+        if old is not None:
+            self._workers[worker_id] = replace(old, last_heartbeat=self.clock())
+
+    def set_draining(self, worker_id: str) -> bool:
+        """The worker takes no new requests (it stays known and live for what it runs)."""
+        old = self._workers.get(worker_id)
+        if old is None:
+            return False
+        self._workers[worker_id] = replace(old, draining=True)
+        return True
+
     def remove(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.pop(worker_id, None)
 
@@ -123,13 +140,19 @@ class WorkerRegistry:
         return info is not None and self.clock() - info.last_heartbeat <= self.timeout_s
 
     def live(self, role: str | None = None) -> list[WorkerInfo]:
-        """Live workers (of `role`, if given), in registration order."""
+        """Live workers (of `role`, if given) for new requests, in registration order: those
+        not draining, or, when every one drains (a whole fleet stopping), the draining ones."""
         now = self.clock()
-        return [
+        alive = [
             w
             for w in self._workers.values()
             if now - w.last_heartbeat <= self.timeout_s and (role is None or w.role == role)
         ]
+        return [w for w in alive if not w.draining] or alive
+
+    def taking(self, role: str) -> bool:
+        """Whether a live worker of `role` is not draining."""
+        return any(not w.draining for w in self.live(role))
 
     def expired(self) -> list[WorkerInfo]:
         """Registered workers whose heartbeats stopped (still in the table)."""

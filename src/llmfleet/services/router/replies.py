@@ -24,9 +24,16 @@ Sink = Callable[[str, Sequence[dataplane_pb2.SequenceOutput]], None]
 
 
 class ReplyReceiver:
-    def __init__(self, ctx: zmq.asyncio.Context, host: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        host: str,
+        on_batch: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_batch(worker_id)`: called for every batch received (a sign of life)."""
         self._sock, self.endpoint = bind(ctx, zmq.PULL, host)
         self._sinks: dict[str, Sink] = {}
+        self._on_batch_from = on_batch
         self._task: asyncio.Task[None] | None = None
         self.num_dropped = 0
 
@@ -47,6 +54,8 @@ class ReplyReceiver:
 
     async def _on_batch(self, frames: list[Frame]) -> None:
         batch, _ = decode(frames, dataplane_pb2.TokenBatch)
+        if self._on_batch_from is not None:
+            self._on_batch_from(batch.worker_id)
         outputs = batch.outputs
         if len(outputs) == 1:
             self._deliver(batch.worker_id, outputs[0].request_id, outputs)

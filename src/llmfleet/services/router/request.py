@@ -150,6 +150,14 @@ class RequestRun:
             cached_prompt_tokens=min(self.num_cached_tokens, len(self.prompt_ids)),
         )
 
+    def legs_on(self, worker_id: str, wire_ids: set[str]) -> list[str]:
+        """Which of legs `wire_ids` of this request run on the worker."""
+        return [
+            g.wire_id
+            for g in self.legs.values()
+            if g.worker_id == worker_id and g.wire_id in wire_ids
+        ]
+
     def worker_ids(self) -> set[str]:
         ids = {leg.worker_id for leg in self.legs.values()}
         if self.lease is not None:

@@ -17,24 +17,30 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
-import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmfleet.services.router.orchestrator import Router
 from llmfleet.services.router.registry import ROLES, Load
+from llmfleet.services.router.request import WorkerFailed
 from llmfleet.services.router.store_view import StoreView
-from llmfleet.shared.core.config import RouterConfig
+from llmfleet.services.router.tenancy import Tenancy
+from llmfleet.shared.core.api_keys import KeyRing
+from llmfleet.shared.core.config import AuthConfig, RouterConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.shared.wire import tls
+from llmfleet.shared.wire.api_key_auth import ApiKeyAuth
 from llmfleet.shared.wire.convert import (
     ROLE_FROM_PB,
     ROLE_TO_PB,
     model_info_from_pb,
     model_info_to_pb,
 )
+from llmfleet.shared.wire.limits import channel_options
 from llmfleet.shared.wire.service import Service, abort_with
 from llmfleet.shared.wire.tracing import context_from_metadata
 from llmfleet.v1 import (
@@ -140,28 +146,47 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def DeregisterWorker(
         self, request: registry_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.DeregisterWorkerResponse:
-        self.router.worker_gone(request.worker_id, "deregistered")
-        return registry_pb2.DeregisterWorkerResponse()
+        wid = request.worker_id
+        if not request.draining:
+            self.router.worker_gone(wid, request.reason or "deregistered")
+            return registry_pb2.DeregisterWorkerResponse()
+        info = self.router.registry.get(wid)
+        if info is None or not self.router.registry.set_draining(wid):  # no new requests to it
+            return registry_pb2.DeregisterWorkerResponse()
+        moved: list[str] = []  # its queued requests move only where new ones can go
+        replaced = self.router.registry.taking(info.role)
+        if replaced:
+            queued = set(request.request_ids)
+            for run in self.router.runs.values():
+                legs = run.legs_on(wid, queued)
+                if legs:
+                    run.events.put_nowait(WorkerFailed(wid, "draining"))
+                    moved += legs
+        logger.info("worker %s draining; %d queued requests move elsewhere", wid, len(moved))
+        return registry_pb2.DeregisterWorkerResponse(moved_request_ids=moved, replaced=replaced)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, keys: KeyRing | None = None) -> None:
         self.router = router
+        self.tenancy = Tenancy(keys or KeyRing())
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         parent = context_from_metadata(context.invocation_metadata())
-        try:
-            async for resp in self.router.generate(request, parent):
-                yield resp
-        except LLMFleetError as exc:
-            await abort_with(context, exc)
+        async with self.tenancy.admit(request, context):  # the tenant's own prefix cache
+            try:
+                async for resp in self.router.generate(request, parent):
+                    yield resp
+            except LLMFleetError as exc:
+                await abort_with(context, exc)
 
     async def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
-        return generation_pb2.AbortResponse(found=self.router.abort(request.request_id))
+        mine = self.tenancy.may_abort(request.request_id, context)  # another tenant's: unseen
+        return generation_pb2.AbortResponse(found=mine and self.router.abort(request.request_id))
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -195,49 +220,81 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 class RouterServer:
     """The running service: gRPC servicers, the router core, health and liveness loops."""
 
-    def __init__(self, config: RouterConfig, *, expose_metrics: bool = True) -> None:
+    def __init__(
+        self, config: RouterConfig, *, expose_metrics: bool = True, auth: AuthConfig | None = None
+    ) -> None:
+        """`auth`: API keys of the public `Generation` API (None or empty: open)."""
         self.config = config
+        keys = (auth or AuthConfig()).keyring
         self.service = Service(
             "router",
             config.host,
             config.port,
             metrics_port=config.metrics_port if expose_metrics else None,
+            grace_s=config.grace_s,
             self_traced=[f"/{GENERATION}/Generate"],  # its span is the router's llm_request
+            interceptors=[ApiKeyAuth(keys, [GENERATION])],  # Registry: internal, no keys
+            max_message_bytes=config.max_message_bytes,  # larger: RESOURCE_EXHAUSTED
         )
-        self._ctx = zmq.asyncio.Context()
-        self._tok_channel = grpc.aio.insecure_channel(config.tokenizer_address)
-        self.router = Router(config, self._ctx, tokenizer_pb2_grpc.TokenizerStub(self._tok_channel))
+        # With a TLS dir: mutual TLS to tokenizer, workers and kvstore, CURVE on every socket.
+        self.tls = tls.load(config.tls_dir)
+        self._ctx = tls.zmq_context(self.tls)
+        self._tok_channel = tls.aio_channel(config.tokenizer_address, self.tls, channel_options())
+        tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tok_channel)
+        self.router = Router(config, self._ctx, tokenizer, self.tls)
         self.store_view: StoreView | None = None
         if config.kvstore_address and config.kvstore_events_endpoint:
             self.store_view = StoreView(
-                self._ctx, config.kvstore_address, config.kvstore_events_endpoint
+                self._ctx, config.kvstore_address, config.kvstore_events_endpoint, self.tls
             )
             self.router.placement.store = self.store_view
         self._health_stub = health_pb2_grpc.HealthStub(self._tok_channel)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.router), self.service.server
+            GenerationServicer(self.router, keys), self.service.server
         )
+        # The workers' Registry: on its own internal port (mutual TLS with a TLS dir), else on
+        # the public one.
+        self.internal: Service | None = None
+        if config.internal_port is not None:
+            self.internal = Service(
+                "router",
+                config.internal_host,
+                config.internal_port,
+                metrics_port=None,
+                grace_s=config.grace_s,
+                tls=self.tls,
+            )
         registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.router), self.service.server
+            RegistryServicer(self.router), (self.internal or self.service).server
         )
         self._loops: list[asyncio.Task[None]] = []
         self.serving = False
+        self._tokenizer_seen_at = -float("inf")  # its last SERVING answer (monotonic s)
 
     @property
     def address(self) -> str:
         return self.service.address
 
+    @property
+    def registry_address(self) -> str:
+        """Where workers register (`--router` of a worker)."""
+        return (self.internal or self.service).address
+
     async def start(self) -> None:
         self.router.start()
         if self.store_view is not None:
             self.store_view.start()
-        await self.service.start([GENERATION, REGISTRY])
+        if self.internal is not None:
+            await self.internal.start([REGISTRY])
+            await self.internal.set_serving()  # workers register before the router serves
+        await self.service.start([GENERATION] if self.internal else [GENERATION, REGISTRY])
         self._loops = [asyncio.create_task(self._liveness_loop())]
         logger.info(
-            "router on %s (%s, %s), replies on %s",
+            "router on %s (%s, %s), registry on %s, replies on %s",
             self.address,
             self.config.mode,
             self.config.routing_policy,
+            self.registry_address,
             self.router.replies.endpoint,
         )
 
@@ -264,6 +321,8 @@ class RouterServer:
         await self._close()
 
     async def _close(self) -> None:
+        if self.internal is not None:  # heartbeats went on while the public port drained
+            await self.internal.server.stop(0)
         await self.router.close()
         if self.store_view is not None:
             await self.store_view.close()
@@ -271,12 +330,20 @@ class RouterServer:
         self._ctx.term()
 
     async def _tokenizer_ready(self) -> bool:
+        """The tokenizer answered SERVING lately. A check that merely timed out (a starved
+        CPU) is no news: only a NOT_SERVING answer, or silence for a heartbeat timeout, is."""
+        timeout_s = self.config.heartbeat_timeout_ms / 1000
         try:
             resp = await self._health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         except grpc.aio.AioRpcError as exc:
             # A tokenizer without the health service still answered.
-            return exc.code() is grpc.StatusCode.UNIMPLEMENTED
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return True
+            return time.monotonic() - self._tokenizer_seen_at < timeout_s
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        self._tokenizer_seen_at = time.monotonic()
+        return True
 
     async def _liveness_loop(self) -> None:
         """Drop silent workers; SERVING exactly while the tokenizer and a usable worker are up."""
@@ -298,10 +365,13 @@ class RouterServer:
 
 
 async def serve(
-    config: RouterConfig, *, on_started: Callable[[RouterServer], None] | None = None
+    config: RouterConfig,
+    auth: AuthConfig | None = None,
+    *,
+    on_started: Callable[[RouterServer], None] | None = None,
 ) -> None:
     """Run the router until SIGTERM/SIGINT (or `server.begin_drain()`), then drain."""
-    server = RouterServer(config)
+    server = RouterServer(config, auth=auth)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

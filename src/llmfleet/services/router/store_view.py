@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
 import zmq.asyncio
 
 from llmfleet.shared.core.kv_index import KVSnapshot
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
+from llmfleet.shared.wire.limits import channel_options
+from llmfleet.shared.wire.tls import FleetTLS, aio_channel
 from llmfleet.v1 import kvstore_pb2_grpc, worker_pb2
 
 _STORE = "kvstore"  # the view's one publisher
@@ -24,8 +25,14 @@ _SNAPSHOT_TIMEOUT_S = 10.0
 
 
 class StoreView:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, events_endpoint: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        events_endpoint: str,
+        tls: FleetTLS | None = None,
+    ) -> None:
+        self._channel = aio_channel(address, tls, channel_options())
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._events_endpoint = events_endpoint
         self._sub = KVSubscriber(ctx, self._snapshot)

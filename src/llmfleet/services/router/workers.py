@@ -15,10 +15,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from llmfleet.shared.wire.limits import channel_options
+from llmfleet.shared.wire.tls import FleetTLS, aio_channel
 from llmfleet.v1 import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Longer than any call the router makes to a worker lasts (its own timeout: AddRequest 60 s).
+_CLOSE_GRACE_S = 90.0
 _DEAD_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
@@ -31,8 +35,9 @@ class _Conn:
 
 
 class WorkerPool:
-    def __init__(self, on_failure: Callable[[str], None]) -> None:
+    def __init__(self, on_failure: Callable[[str], None], tls: FleetTLS | None = None) -> None:
         self._on_failure = on_failure
+        self._tls = tls  # mutual TLS to every worker
         self._conns: dict[str, _Conn] = {}
 
     def connect(self, worker_id: str, address: str) -> worker_pb2_grpc.WorkerStub:
@@ -42,7 +47,7 @@ class WorkerPool:
             return conn.stub
         if conn is not None:
             self._drop(conn)
-        channel = grpc.aio.insecure_channel(address)
+        channel = aio_channel(address, self._tls, channel_options())
         conn = _Conn(address, channel, worker_pb2_grpc.WorkerStub(channel))
         conn.watcher = asyncio.create_task(self._watch(worker_id, conn))
         self._conns[worker_id] = conn
@@ -63,15 +68,19 @@ class WorkerPool:
             self._drop(conn)
 
     async def close(self) -> None:
-        for worker_id in list(self._conns):
-            self.disconnect(worker_id)
+        for conn in self._conns.values():
+            self._drop(conn, 0.0)  # the router is stopping: nothing waits for these calls
+        self._conns.clear()
         await asyncio.sleep(0)
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: _Conn, grace_s: float = _CLOSE_GRACE_S) -> None:
         if conn.watcher is not None:
             conn.watcher.cancel()
-        # Closing with grace 0 fails the RPCs still on it, which is what a dropped worker needs.
-        task = asyncio.create_task(conn.channel.close(grace=0))
+        # Closing a channel cancels the RPCs still on it, and their callers see a bare
+        # asyncio.CancelledError, as if the request itself were cancelled. So the calls in
+        # flight end first, with their own status: a dead worker's fail at once (UNAVAILABLE),
+        # a hung one's at their deadline, within the grace.
+        task = asyncio.create_task(conn.channel.close(grace=grace_s))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def _watch(self, worker_id: str, conn: _Conn) -> None:

@@ -12,12 +12,14 @@ import sys
 
 from llmfleet.shared.core.config import TokenizerConfig
 from llmfleet.shared.wire.service_main import ServiceMain
+from llmfleet.shared.wire.tls import TLS_DIR_HELP
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="HF checkpoint directory or .gguf file (default: bundled)"
     )
+    p.add_argument("--tls-dir", help=TLS_DIR_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 

@@ -6,7 +6,9 @@
 
 The servicer is a thin shell: protobuf in, core functions, protobuf out. Validation errors from
 the core name fields as the core spells them (`prompt`, `messages[0].role`); they are renamed to
-their path in the request message here (`text`, `chat.messages[0].role`).
+their path in the request message here (`text`, `chat.messages[0].role`). A request's
+`max_num_tokens` (the context length) refuses a longer prompt, before tokenizing a text that the
+cheap bound of text/prompt_bound.py already shows too long.
 
 Detokenize carries many sequences on one stream (a router keeps one): detokenize.py holds a
 stream's sequences and answers each request that feeds tokens with one response.
@@ -27,10 +29,12 @@ from opentelemetry import trace
 from llmfleet.services.tokenizer.detokenize import DetokenizeSession
 from llmfleet.shared.core.config import TokenizerConfig
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.wire import tls
 from llmfleet.shared.wire.service import Service, Unavailable, abort_with
 from llmfleet.shared.wire.tracing import child_span
 from llmfleet.text.chat import encode_rendered, render_chat, tokenize_prompt
 from llmfleet.text.loading import load_tokenizer
+from llmfleet.text.prompt_bound import max_bytes_per_token, min_num_tokens
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -52,16 +56,39 @@ def _renamed(exc: ValidationError, field: str) -> ValidationError:
     return ValidationError(field, exc.message)
 
 
+def _check_bound(text: str, per_token: int | None, limit: int, field: str) -> None:
+    """Refuse a text that has more than `limit` tokens by the cheap bound (prompt_bound.py)."""
+    if not limit or per_token is None:
+        return
+    at_least = min_num_tokens(text, per_token)
+    if at_least > limit:
+        raise ValidationError(
+            field,
+            f"the prompt has at least {at_least} tokens, more than the context length of "
+            f"{limit} tokens",
+        )
+
+
+def _check_len(num_tokens: int, limit: int, field: str) -> None:
+    if limit and num_tokens > limit:
+        raise ValidationError(
+            field,
+            f"the prompt has {num_tokens} tokens, more than the context length of {limit} tokens",
+        )
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Answers UNAVAILABLE until `set_tokenizer` is called (the service is NOT_SERVING then)."""
 
     def __init__(self, tokenizer: Any | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = len(tokenizer) if tokenizer is not None else 0
+        self._per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = len(tokenizer)
+        self._per_token = max_bytes_per_token(tokenizer)
 
     def _require_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -74,7 +101,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         start = time.perf_counter()
         try:
             tokenizer = self._require_tokenizer()
-            encode = self._encoder(tokenizer, request)
+            encode = self._encoder(tokenizer, request, self._per_token)
             # Chat templates (jinja) and long texts take milliseconds: keep the loop (health
             # checks, detokenize streams) responsive.
             ids = await asyncio.to_thread(encode)
@@ -86,19 +113,26 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.TokenizeResponse(token_ids=ids)
 
     @staticmethod
-    def _encoder(tokenizer: Any, request: tokenizer_pb2.TokenizeRequest) -> Callable[[], list[int]]:
+    def _encoder(
+        tokenizer: Any, request: tokenizer_pb2.TokenizeRequest, per_token: int | None
+    ) -> Callable[[], list[int]]:
         kind = request.WhichOneof("input")
+        limit = request.max_num_tokens
+        if limit < 0:
+            raise ValidationError("max_num_tokens", f"must be >= 0, got {limit}")
         if kind == "text":
             text = request.text
+            _check_bound(text, per_token, limit, "text")  # before the work
 
             def encode_text() -> list[int]:
                 try:
                     with child_span(tracer, "tokenize") as span:
                         ids = tokenize_prompt(tokenizer, text)
                         span.set_attribute("llmfleet.num_tokens", len(ids))
-                        return ids
                 except ValidationError as exc:
                     raise _renamed(exc, "text") from None
+                _check_len(len(ids), limit, "text")
+                return ids
 
             return encode_text
         if kind == "chat":
@@ -116,12 +150,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                         rendered = render_chat(
                             tokenizer, messages, add_generation_prompt=add_generation_prompt
                         )
+                    _check_bound(rendered, per_token, limit, "chat.messages")
                     with child_span(tracer, "tokenize") as span:
                         ids = encode_rendered(tokenizer, rendered)
                         span.set_attribute("llmfleet.num_tokens", len(ids))
-                        return ids
                 except ValidationError as exc:
+                    if exc.field.startswith("chat."):
+                        raise
                     raise _renamed(exc, f"chat.{exc.field}") from None
+                _check_len(len(ids), limit, "chat.messages")
+                return ids
 
             return encode_chat
         raise ValidationError("input", "set exactly one of text or chat")
@@ -144,15 +182,27 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 yield response
 
 
+def _service(config: TokenizerConfig) -> tuple[Service, TokenizerServicer]:
+    """The service shell with the tokenizer servicer added (no tokenizer yet)."""
+    svc = Service(
+        "tokenizer",
+        config.host,
+        config.port,
+        metrics_port=config.metrics_port,
+        tls=tls.load(config.tls_dir),
+    )
+    servicer = TokenizerServicer()
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, svc.server)
+    return svc, servicer
+
+
 async def start(config: TokenizerConfig, *, tokenizer: Any | None = None) -> Service:
     """Start the service and load the tokenizer (or use `tokenizer`); returns it SERVING.
 
     The port is bound and health answers NOT_SERVING while the tokenizer loads. On a load
     failure the server is stopped and ModelLoadError propagates.
     """
-    svc = Service("tokenizer", config.host, config.port, metrics_port=config.metrics_port)
-    servicer = TokenizerServicer()
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, svc.server)
+    svc, servicer = _service(config)
     await svc.start([SERVICE_NAME])
     await _load_into(svc, servicer, config, tokenizer)
     return svc
@@ -177,9 +227,7 @@ async def serve(config: TokenizerConfig, *, tokenizer: Any | None = None) -> Non
 
     Signals are handled from the start, so a SIGTERM during a slow load also ends cleanly.
     """
-    svc = Service("tokenizer", config.host, config.port, metrics_port=config.metrics_port)
-    servicer = TokenizerServicer()
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, svc.server)
+    svc, servicer = _service(config)
     svc.install_signal_handlers()
     await svc.start([SERVICE_NAME])
     loading = asyncio.create_task(_load_into(svc, servicer, config, tokenizer))

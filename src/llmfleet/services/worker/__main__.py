@@ -3,7 +3,8 @@
 Flags override `LLMFLEET_WORKER_*` (service) and `LLMFLEET_*` (engine) environment variables
 (see shared/core/config.py). On SIGTERM the worker turns NOT_SERVING, deregisters, lets in-flight
 requests finish within the grace period (aborting the rest) and exits 0. Exit status: 1 when the
-worker cannot start, 2 on a bad flag or configuration value (with usage).
+worker cannot start or its forward pass failed (its requests handed back to the router), 2 on a
+bad flag or configuration value (with usage).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from llmfleet.shared.core.config import WORKER_ROLES, EngineConfig, WorkerConfig
 from llmfleet.shared.core.engine_flags import add_engine_flags
 from llmfleet.shared.wire.service_main import ServiceMain
+from llmfleet.shared.wire.tls import TLS_DIR_HELP
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -45,7 +47,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lease-ttl-ms", type=int, help="default lifetime of KV leases granted here")
     p.add_argument("--kv-push-timeout-ms", type=int, help="prefill: wait this long for acks")
-    p.add_argument("--grace-s", type=float, default=10.0, help="drain period on SIGTERM")
+    p.add_argument("--grace-s", type=float, default=30.0, help="drain period on SIGTERM")
+    p.add_argument("--tls-dir", help=TLS_DIR_HELP)
+    p.add_argument(
+        "--fault-inject-step",
+        type=int,
+        help="tests only: fail every engine step from step N on, as a failing forward pass",
+    )
     add_engine_flags(p)
 
 

@@ -30,7 +30,9 @@ from opentelemetry.trace import SpanKind
 
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.core.kv_index import KVSnapshot
+from llmfleet.shared.wire.limits import channel_options
 from llmfleet.shared.wire.service import Unavailable
+from llmfleet.shared.wire.tls import FleetTLS, aio_channel, zmq_context
 from llmfleet.shared.wire.tracing import child_span, metadata, traceparent
 from llmfleet.shared.wire.transport import Frame, MalformedFrame, decode, encode
 from llmfleet.v1 import dataplane_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2
@@ -54,8 +56,12 @@ class KVStoreClient:
         *,
         timeout_s: float = 10.0,
         ctx: zmq.asyncio.Context | None = None,
+        tls: FleetTLS | None = None,
     ) -> None:
+        """`tls`: mutual TLS on the gRPC side; the data plane is CURVE when `ctx` is a
+        `tls.CurveContext` (the private context, made without `ctx`, is one with `tls`)."""
         self.address = address
+        self._tls = tls
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx = ctx
@@ -197,7 +203,7 @@ class KVStoreClient:
             raise Unavailable(f"kvstore client for {self.endpoint} is closed")
         if self._sock is None:
             if self._ctx is None:
-                self._ctx = zmq.asyncio.Context()
+                self._ctx = zmq_context(self._tls)
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoint)
@@ -232,7 +238,7 @@ class KVStoreClient:
         if self._closed:
             raise Unavailable(f"kvstore client for {self.address} is closed")
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = aio_channel(self.address, self._tls, channel_options())
             self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:

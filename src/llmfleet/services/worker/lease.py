@@ -15,8 +15,9 @@ from an earlier attempt carries another epoch and is dropped. Expiry is checked 
 operation, not only by the periodic `expire` sweep, so a lease is never used past its expiry.
 
 The table owns lease state only; the engine's blocks are freed by the caller for each lease
-that `release` or `expire` ends. The clock is injectable (seconds; wall time by default, since
-`expires_at` travels to other processes as Unix milliseconds).
+that `release` or `expire` ends. A lease lives at most MAX_LEASE_TTL_MS (10 minutes): a longer
+TTL is refused (ValidationError of `ttl_ms`). The clock is injectable (seconds; wall time by
+default, since `expires_at` travels to other processes as Unix milliseconds).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import prometheus_client
+
+from llmfleet.shared.core.config import MAX_LEASE_TTL_MS
+from llmfleet.shared.core.errors import ValidationError
 
 
 class LeaseState(enum.Enum):
@@ -100,8 +104,10 @@ class LeaseTable:
     def grant(
         self, request_id: str, num_prompt_tokens: int, num_blocks: int, ttl_s: float
     ) -> Lease:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl must be positive, got {ttl_s}")
+        if not 0 < ttl_s <= MAX_LEASE_TTL_MS / 1000:
+            raise ValidationError(
+                "ttl_ms", f"must be in (0, {MAX_LEASE_TTL_MS}] ms, got {ttl_s * 1000:.0f}"
+            )
         lease = Lease(
             lease_id=uuid.uuid4().hex,
             epoch=next(self._epochs),

@@ -23,6 +23,11 @@ which handles the iterations in order on the event loop (KV events, spans, prefi
 request metrics) while the next steps run. Event-loop code reads the engine only through ops
 or these readings. With no work and no queued op the thread waits on an event (no polling).
 
+A step that raises is a failed forward pass: the engine's state is no longer to be trusted, so
+the loop steps no more and sends nothing (no request ends "successfully" with tokens missing);
+`on_failure(error)` runs on the event loop, once, and the worker hands its requests back (see
+runtime.py). Ops still apply (cancels, stats); the loop counts as idle from then on.
+
 On CPU, a step takes every core; after a step that gave a request its first token the loop
 waits `first_token_yield_s` before the next one, so the router and tokenizer processes that
 carry the token to the client run at once instead of waiting to preempt the step.
@@ -51,6 +56,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 OnIteration = Callable[[int, list[RequestOutput], Any], Awaitable[None]]
 OnStep = Callable[[int, list[RequestOutput]], None]
+OnFailure = Callable[[BaseException], None]
 Collect = Callable[[int, list[RequestOutput]], Any]
 Op = tuple[Callable[[], Any], "asyncio.Future[Any] | None"]
 Iteration = tuple[int, list[RequestOutput], Any]  # step, its outputs, what `collect` returned
@@ -93,6 +99,8 @@ class EngineLoop:
         first_token_yield_s: float = 0.0,
         on_step: OnStep | None = None,
         collect: Collect | None = None,
+        on_failure: OnFailure | None = None,
+        fault_inject_step: int = 0,
     ) -> None:
         """`thread`: the worker's EngineThread (it built `engine`; its owner shuts it down).
         `on_step(step, outputs)`: called on the engine thread after each step that produced
@@ -101,13 +109,18 @@ class EngineLoop:
         something; what it returns (what `on_iteration` needs to know of the engine as it was
         then) is passed to `on_iteration(step, outputs, collected)` on the event loop.
         `first_token_yield_s`: after a step that gave a request its first token, start the next
-        step this much later, unless requests wait (see WorkerConfig.first_token_yield_ms)."""
+        step this much later, unless requests wait (see WorkerConfig.first_token_yield_ms).
+        `on_failure(error)`: called on the event loop, once, when a step raised (see above).
+        `fault_inject_step`: tests only; every step from this one on raises (0: off)."""
         self.engine = engine
         self.first_token_yield_s = first_token_yield_s
         self.thread = thread
         self._on_iteration = on_iteration
         self._on_step = on_step
         self._collect = collect
+        self._on_failure = on_failure
+        self.fault_inject_step = fault_inject_step
+        self.failure: BaseException | None = None  # the step error that stopped the loop
         self._ops: deque[Op] = deque()  # appended on the event loop, taken on the engine thread
         self._applying = False  # the engine thread took ops it has not applied yet
         self._wake = threading.Event()
@@ -176,7 +189,11 @@ class EngineLoop:
 
     @property
     def idle(self) -> bool:
-        return not self._ops and not self._applying and not self.engine.has_unfinished()
+        return not self._ops and not self._applying and not self._has_work()
+
+    def _has_work(self) -> bool:
+        """Requests to step (none once a step failed: nothing is stepped again)."""
+        return self.failure is None and self.engine.has_unfinished()
 
     async def wait_idle(self) -> None:
         """Wait until no request is unfinished and no op is queued."""
@@ -192,16 +209,20 @@ class EngineLoop:
             results = _apply(ops)
             loop.call_soon_threadsafe(_settle, ops, results)
         self._applying = False
-        if not self.engine.has_unfinished():
+        if not self._has_work():
             return [], None
         started = time.perf_counter()
         self.step_started_ns = time.time_ns()
         try:
+            step = self.num_steps + 1
+            if self.fault_inject_step and step >= self.fault_inject_step:
+                raise InjectedFault(f"fault injected at engine step {step} (--fault-inject-step)")
             outputs = self.engine.step()
-        except Exception:
-            logger.exception("engine step failed; aborting every request")
-            for rid in self.engine.request_ids():
-                self.engine.abort(rid)
+        except Exception as exc:
+            logger.exception("engine step failed: this worker steps no more")
+            self.failure = exc
+            if self._on_failure is not None:
+                _post(loop, self._on_failure, exc)
             return [], None
         seconds = time.perf_counter() - started
         # Recorded before the tokens leave, so a client that saw a step's tokens also finds
@@ -243,9 +264,9 @@ class EngineLoop:
             if self.first_token_yield_s and _gave_first_token(outputs):
                 # The token is on its way (sent above); leave the cores to the processes
                 # carrying it unless a queued request needs the next step.
-                if engine.has_unfinished() and not engine.num_waiting:
+                if self._has_work() and not engine.num_waiting:
                     self._wake.wait(self.first_token_yield_s)
-            if not self._ops and not engine.has_unfinished():
+            if not self._ops and not self._has_work():
                 if not _post(loop, self._set_idle):
                     return
                 self._wake.wait()
@@ -275,6 +296,10 @@ class EngineLoop:
         ops = list(self._ops)
         self._ops.clear()
         _settle(ops, [(False, done.exception())] * len(ops))
+
+
+class InjectedFault(RuntimeError):
+    """A forward-pass failure injected for tests (WorkerConfig.fault_inject_step)."""
 
 
 _STOP_WAIT_S = 5.0

@@ -31,6 +31,7 @@ from llmfleet.services.worker.request_spans import RunningView, running_views
 from llmfleet.shared.core.step_model import StepTimeModel
 from llmfleet.shared.wire.convert import FINISH_TO_PB, logprobs_to_pb
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from llmfleet.shared.wire.tls import blocking_shadow
 from llmfleet.v1 import common_pb2, dataplane_pb2
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class ReplySinks:
     except `close` when that thread is still busy at stop (WorkerRuntime.stop)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, worker_id: str) -> None:
-        self.ctx = zmq.Context.shadow(ctx.underlying)  # blocking sockets, same context
+        self.ctx = blocking_shadow(ctx)  # blocking sockets, same context and CURVE keys
         self.worker_id = worker_id
         self._socks: dict[str, zmq.Socket] = {}
 

@@ -72,6 +72,12 @@ class PrefillSide:
             fut.set_result(out)
         return True
 
+    def fail_all(self, error: LLMFleetError) -> None:
+        """The worker failed: every prefill waiting for its first token fails with `error`."""
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(error)
+
     async def close(self) -> None:
         await self.pusher.close()
 

@@ -3,6 +3,9 @@
     RegisterWorker -> heartbeat every `heartbeat_interval_ms` (the router's answer)
     known=false (the router restarted)   -> register again
     router unreachable                   -> retry with exponential backoff (capped), forever
+    drain(queued)                        -> DeregisterWorker(draining): no new requests, the
+                                            queued ones move; heartbeats go on (no re-register)
+    close()                              -> DeregisterWorker: leave the pool
 
 State changes (registered, lost, re-registered) are logged once each, not per attempt.
 `registered` is set after the first successful registration (the worker turns SERVING then).
@@ -16,7 +19,9 @@ from collections.abc import Callable
 
 import grpc
 
+from llmfleet.shared.wire.limits import channel_options
 from llmfleet.shared.wire.service import cancel_and_wait
+from llmfleet.shared.wire.tls import FleetTLS, aio_channel
 from llmfleet.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -33,6 +38,7 @@ class Registrar:
         *,
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
+        tls: FleetTLS | None = None,
     ) -> None:
         self.router_address = router_address
         self._make_request = make_request
@@ -41,10 +47,11 @@ class Registrar:
         self._max_backoff = max_backoff_s
         self.registered = asyncio.Event()
         self.num_registrations = 0
-        self._channel = grpc.aio.insecure_channel(router_address)
+        self._channel = aio_channel(router_address, tls, channel_options())
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self._worker_id = ""
+        self._draining = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="registrar")
@@ -76,6 +83,8 @@ class Registrar:
                         registry_pb2.HeartbeatRequest(worker_id=self._worker_id, load=self._load()),
                         timeout=RPC_TIMEOUT_S,
                     )
+                    if not resp.known and self._draining:
+                        return  # removed while draining: it must not take traffic again
                     if not resp.known:
                         logger.info("router %s forgot us: registering again", self.router_address)
                         interval = None
@@ -96,15 +105,34 @@ class Registrar:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff)
 
-    async def deregister(self) -> None:
-        """Stop heartbeating and leave the pool (best effort)."""
+    async def drain(self, queued: list[str]) -> tuple[list[str], bool]:
+        """Tell the router this worker drains: unless it is the last of its role, the router
+        routes nothing new here and re-submits the `queued` (not started) requests elsewhere.
+        Returns those it took (the worker aborts them and finishes the rest itself) and
+        whether other workers take new requests (else the router may still send some)."""
+        self._draining = True
+        if not self.registered.is_set():
+            return [], True
+        req = registry_pb2.DeregisterWorkerRequest(
+            worker_id=self._worker_id, draining=True, request_ids=queued
+        )
+        try:
+            resp = await self._stub.DeregisterWorker(req, timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("telling %s about the drain failed: %s", self.router_address, e.code())
+            return [], True
+        return list(resp.moved_request_ids), resp.replaced
+
+    async def deregister(self, reason: str = "") -> None:
+        """Stop heartbeating and leave the pool (best effort); the router re-submits the
+        requests still here elsewhere, and names `reason` if they can run nowhere."""
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
         if self.registered.is_set():
             try:
                 await self._stub.DeregisterWorker(
-                    registry_pb2.DeregisterWorkerRequest(worker_id=self._worker_id),
+                    registry_pb2.DeregisterWorkerRequest(worker_id=self._worker_id, reason=reason),
                     timeout=RPC_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as e:

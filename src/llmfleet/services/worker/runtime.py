@@ -1,7 +1,7 @@
 """A worker's runtime: its engine core and everything around it, from start to drain.
 
     runtime.start()      # load the model, start the engine loop and sockets, register
-    runtime.stop()       # NOT_SERVING, deregister, drain within the grace, close everything
+    runtime.stop()       # NOT_SERVING, queued requests move, running ones finish; close
 
 Threads of control (all on one asyncio loop, except the torch work: every engine op and step
 runs on the one `EngineThread`, see loop.py):
@@ -36,6 +36,7 @@ from llmfleet.engine.request import RequestOutput
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.worker.admission import Admission
 from llmfleet.services.worker.decode_side import DecodeSide
+from llmfleet.services.worker.failure import ForwardPassFailed, describe, hand_back
 from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
@@ -50,9 +51,10 @@ from llmfleet.services.worker.prefill_side import PrefillSide
 from llmfleet.services.worker.registration import Registrar
 from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
+from llmfleet.shared.wire import tls
 from llmfleet.shared.wire.convert import ROLE_TO_PB, model_info_to_pb
 from llmfleet.shared.wire.kv_events import KVEventPublisher
-from llmfleet.shared.wire.service import FailedPrecondition, Service
+from llmfleet.shared.wire.service import FailedPrecondition, Service, Unavailable
 from llmfleet.shared.wire.transport import bind, dtype_name, kv_layout_key
 from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
 
@@ -70,17 +72,19 @@ class WorkerRuntime:
         engine_config: EngineConfig,
         loaded_model: LoadedModel | None = None,
         *,
-        grace_s: float = 10.0,
+        grace_s: float = 30.0,
     ) -> None:
         self.wc = worker_config
         self.ec = engine_config
         self._loaded = loaded_model
         self.grace_s = grace_s
+        self.tls = tls.load(worker_config.tls_dir)
         self.service = Service(
             "worker",
             worker_config.host,
             worker_config.port,
             metrics_port=worker_config.metrics_port,
+            tls=self.tls,
         )
         self.worker_id = worker_config.worker_id or ""
         self.engine: LLMEngine | None = None
@@ -90,11 +94,13 @@ class WorkerRuntime:
         self._facts: IterationFacts | None = None
         self.kv_endpoint = ""
         self.kv_events_endpoint = ""
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = tls.zmq_context(self.tls)  # with tls: every socket speaks CURVE
         self._routes: dict[str, str] = {}  # request id -> reply endpoint
         self._bg: list[asyncio.Task[None]] = []
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        self.failure: str | None = None  # why the forward pass failed (failure.py)
+        self._draining = False  # new work is refused (UNAVAILABLE); running requests go on
         self.publisher: KVEventPublisher | None = None
         self.sinks: ReplySinks | None = None
         self.decode: DecodeSide | None = None  # decode and unified roles
@@ -152,6 +158,8 @@ class WorkerRuntime:
             first_token_yield_s=yield_s,
             on_step=self._push,
             collect=self._collect,
+            on_failure=self._on_engine_failure,
+            fault_inject_step=self.wc.fault_inject_step,
         )
         self.loop.start()
         if self.role in ("prefill", "unified"):
@@ -175,7 +183,9 @@ class WorkerRuntime:
             )
             self.decode.start()
         if self.wc.kvstore_address and self.wc.kvstore_endpoint:
-            client = KVStoreClient(self.wc.kvstore_address, self.wc.kvstore_endpoint, ctx=self._ctx)
+            client = KVStoreClient(
+                self.wc.kvstore_address, self.wc.kvstore_endpoint, ctx=self._ctx, tls=self.tls
+            )
             self.kvstore = KVStoreSync(
                 client,
                 engine,
@@ -190,7 +200,7 @@ class WorkerRuntime:
             await self.kvstore.start()
         if self.wc.router_address:
             self.registrar = Registrar(
-                self.wc.router_address, self._register_request, self._load_report
+                self.wc.router_address, self._register_request, self._load_report, tls=self.tls
             )
             self.registrar.start()
             self._bg.append(asyncio.create_task(self._serve_when_registered()))
@@ -209,7 +219,7 @@ class WorkerRuntime:
     async def _serve_when_registered(self) -> None:
         if self.registrar is not None:
             await self.registrar.registered.wait()
-            if not self._stopped:
+            if not self._stopped and self.failure is None:
                 await self.service.set_serving()
 
     def install_signal_handlers(self) -> None:
@@ -222,14 +232,26 @@ class WorkerRuntime:
 
     async def wait_for_termination(self) -> None:
         await self._stop_requested.wait()
-        await self.stop()
+        await self.stop(0 if self.failure else None)
+        if self.failure is not None:
+            raise ForwardPassFailed(self.failure)
+
+    def _on_engine_failure(self, error: BaseException) -> None:
+        """On the event loop, once: a step raised (loop.py). Hand the requests back (failure.py),
+        then stop at once; `wait_for_termination` raises ForwardPassFailed (the process exits 1)."""
+        self.failure = reason = describe(error)
+        task = asyncio.create_task(hand_back(reason, self.service, self.prefill, self.registrar))
+        task.add_done_callback(lambda _: self._stop_requested.set())
+        self._bg.append(task)  # (done before `stop` cancels what remains of these)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, deregister, let in-flight requests finish within the grace period
-        (abort the rest), then close the server and every socket."""
+        """Drain (NOT_SERVING; the router moves the queue elsewhere if another worker takes new
+        requests, and then new work is refused: UNAVAILABLE; running requests finish within the
+        grace, the rest are aborted), deregister, close the server and every socket."""
         if self._stopped:
             return
         self._stopped = True
+        self._draining = self.registrar is None  # else as the router answers (below)
         grace = self.grace_s if grace_s is None else grace_s
         for name in ["", SERVICE_NAME]:
             await self.service.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -238,10 +260,16 @@ class WorkerRuntime:
         await asyncio.gather(*self._bg, return_exceptions=True)
         if self.decode is not None:
             await self.decode.stop_sweeping()
-        if self.registrar is not None:
-            await self.registrar.close()
         if self.loop is not None and self.engine is not None:
             engine = self.engine
+            if self.registrar is not None and self.failure is None:  # (failed: handed back)
+                queued = await self.loop.call(_queued_request_ids, engine)
+                # Until the router has this notice (it may be moving another draining worker's
+                # queue here), and if this is the last of its role, new requests are taken in.
+                moved, replaced = await self.registrar.drain(queued)
+                self._draining = replaced
+                logger.info("drain: %d queued requests moved to other workers", len(moved))
+                await self.loop.call(lambda: [engine.abort(r) for r in moved])
             try:
                 await asyncio.wait_for(self.loop.wait_idle(), grace)
             except TimeoutError:
@@ -253,6 +281,8 @@ class WorkerRuntime:
                 await asyncio.wait_for(self.loop.wait_idle(), 1.0)
             except TimeoutError:
                 pass
+        if self.registrar is not None:
+            await self.registrar.close()
         self.service.grace_s = 0.5
         self.service.request_stop()
         await self.service.wait_for_termination()
@@ -315,7 +345,14 @@ class WorkerRuntime:
 
     # ---- access ------------------------------------------------------------------------------
     def _engine_loop(self) -> tuple[LLMEngine, EngineLoop]:
-        if self.engine is None or self.loop is None or self._stopped:
+        """The engine, for new work: refused while draining or failed (UNAVAILABLE)."""
+        if self.failure is not None or self._draining:
+            raise Unavailable(self.failure or "the worker is draining")
+        return self._running_loop()
+
+    def _running_loop(self) -> tuple[LLMEngine, EngineLoop]:
+        """The engine, for requests it already has (cancel, stats, release): also in a drain."""
+        if self.engine is None or self.loop is None:
             raise FailedPrecondition("the worker is not serving")
         return self.engine, self.loop
 
@@ -353,3 +390,10 @@ class WorkerRuntime:
             model=model_info_to_pb(engine.model_info),
             load=self._load_report(),
         )
+
+
+def _queued_request_ids(engine: LLMEngine) -> list[str]:
+    """On the engine thread: requests waiting to be scheduled, none of whose sequences runs."""
+    sched = engine.scheduler
+    running = {r.parent_id or r.request_id for r in sched.running}
+    return sorted({r.parent_id or r.request_id for r in sched.waiting} - running)

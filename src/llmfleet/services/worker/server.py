@@ -38,7 +38,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         engine_config: EngineConfig,
         loaded_model: LoadedModel | None = None,
         *,
-        grace_s: float = 10.0,
+        grace_s: float = 30.0,
     ) -> None:
         super().__init__(worker_config, engine_config, loaded_model, grace_s=grace_s)
         worker_pb2_grpc.add_WorkerServicer_to_server(self, self.service.server)
@@ -67,7 +67,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.CancelResponse:
         try:
-            engine, loop = self._engine_loop()
+            engine, loop = self._running_loop()
         except LLMFleetError as e:
             await abort_with(context, e)
         index = request.index if request.HasField("index") else None
@@ -90,7 +90,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetWorkerStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetWorkerStatsResponse:
         try:
-            engine, loop = self._engine_loop()
+            engine, loop = self._running_loop()
         except LLMFleetError as e:
             await abort_with(context, e)
         if self.decode is not None:
@@ -126,7 +126,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
     # ---- lease handoff (decode_side.py, prefill_side.py) ---------------------------------------
     def _decode_side(self, rpc: str) -> DecodeSide:
         self._require_role(rpc, "decode", "unified")
-        self._engine_loop()
+        self._running_loop()  # a lease granted before a drain still starts its decode
         if self.decode is None:
             raise FailedPrecondition("the worker is not serving")
         return self.decode
@@ -135,6 +135,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ReserveKVRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveKVResponse:
         try:
+            self._engine_loop()  # a draining worker grants no new lease
             lease = await self._decode_side("ReserveKV").reserve(request)
         except LLMFleetError as e:
             await abort_with(context, e)
@@ -153,7 +154,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseKVResponse:
         try:
-            self._engine_loop()
+            self._running_loop()
         except LLMFleetError as e:
             await abort_with(context, e)
         released = self.decode is not None and await self.decode.release(request)
@@ -182,7 +183,7 @@ async def serve(
     loaded_model: LoadedModel | None = None,
     *,
     install_signal_handlers: bool = False,
-    grace_s: float = 10.0,
+    grace_s: float = 30.0,
 ) -> WorkerServer:
     """Start a worker in this event loop; returns it once started (SERVING once the model is
     loaded and, with a router configured, registered)."""

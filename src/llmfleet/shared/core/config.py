@@ -16,10 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from llmfleet.shared.core.api_keys import KeyRing
 from llmfleet.shared.core.errors import ValidationError
 
 ENV_PREFIX = "LLMFLEET_"
 T = TypeVar("T")
+
+# Messages between services may be this large (shared/wire/limits.py); a public port's limit
+# may not exceed it, so what a public port accepts never fails an internal hop for its size.
+INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The longest a KV lease may live (a worker refuses a ReserveKV asking for more).
+MAX_LEASE_TTL_MS = 10 * 60 * 1000
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,9 @@ class TokenizerConfig:
     port: int = 0  # 0: any free port
     metrics_port: int = 0
     model: str | None = None  # tokenizer of this model (None: the bundled SmolLM2)
+    # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
+    # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
+    tls_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -162,19 +172,38 @@ class RouterConfig:
     # disaggregated: prompts shorter than this are prefilled by the decode worker itself.
     short_prompt_threshold: int = 32
     heartbeat_interval_ms: int = 1000
-    heartbeat_timeout_ms: int = 3000  # a worker silent this long stops receiving traffic
+    # A worker silent this long (no heartbeat, no streamed output) is dropped. Generous: a
+    # starved CPU delays heartbeats, and a dead worker is caught sooner by its lost connection.
+    heartbeat_timeout_ms: int = 10000
     lease_ttl_ms: int = 30000
     max_retries: int = 1  # re-submissions of a request after a worker failure
     # disaggregated: KV handoffs (reserve, prefill, push) in flight per prefill worker; more
     # wait their turn in the router, so decode KV is not held by leases a queue has not reached.
     max_prefills_per_worker: int = 8
     max_queued_requests: int = 1024  # beyond: RESOURCE_EXHAUSTED
+    # The largest Generate request (bytes of its protobuf) the public port takes; beyond:
+    # RESOURCE_EXHAUSTED naming the limit. At most INTERNAL_MAX_MESSAGE_BYTES.
+    max_message_bytes: int = 32 * 1024 * 1024
     # The kvstore's gRPC address and KV-event endpoint: with both, the router keeps a view of
     # what the store holds, and routing counts a prefix there as fetched, not recomputed.
     kvstore_address: str | None = None
     kvstore_events_endpoint: str | None = None
+    grace_s: float = 30.0  # on SIGTERM: running streams finish for this long, then close
+    # The internal side (worker Registry, the reply PULL endpoint) binds here, apart from the
+    # public `host`. `internal_port` None: the Registry shares the public port (plaintext only).
+    internal_host: str = "127.0.0.1"
+    internal_port: int | None = None
+    # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
+    # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
+    tls_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.grace_s < 0:
+            raise ValidationError("grace_s", "must be >= 0")
+        if self.tls_dir is not None and self.internal_port is None:
+            raise ValidationError(
+                "internal_port", "tls_dir needs an internal port: the public one stays plaintext"
+            )
         if (self.kvstore_address is None) != (self.kvstore_events_endpoint is None):
             raise ValidationError(
                 "kvstore_events_endpoint", "kvstore_address and kvstore_events_endpoint go together"
@@ -187,6 +216,11 @@ class RouterConfig:
             raise ValidationError("max_prefills_per_worker", "must be >= 1")
         if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
             raise ValidationError("heartbeat_timeout_ms", "must exceed heartbeat_interval_ms")
+        if not 1024 <= self.max_message_bytes <= INTERNAL_MAX_MESSAGE_BYTES:
+            raise ValidationError(
+                "max_message_bytes", f"must be in [1024, {INTERNAL_MAX_MESSAGE_BYTES}]"
+            )
+        _check_lease_ttl(self.lease_ttl_ms)
 
 
 @dataclass(frozen=True)
@@ -215,6 +249,12 @@ class WorkerConfig:
     first_token_yield_ms: float = 4.0
     lease_ttl_ms: int = 30000  # default lifetime of a KV lease this worker grants
     kv_push_timeout_ms: int = 10000  # prefill: wait this long for a decode worker's ack
+    # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
+    # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
+    tls_dir: str | None = None
+    # For tests only: every engine step from this one on (1-based) fails as a failing forward
+    # pass would (the worker hands its requests back, turns NOT_SERVING, exits non-zero); 0: off.
+    fault_inject_step: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -233,6 +273,9 @@ class WorkerConfig:
             raise ValidationError("kvstore_put_max_bytes", "must be >= 0")
         if not 0 <= self.first_token_yield_ms <= 1000:
             raise ValidationError("first_token_yield_ms", "must be in [0, 1000]")
+        _check_lease_ttl(self.lease_ttl_ms)
+        if self.fault_inject_step < 0:
+            raise ValidationError("fault_inject_step", "must be >= 0 (0: off)")
 
 
 @dataclass(frozen=True)
@@ -246,6 +289,9 @@ class KVStoreConfig:
     ram_bytes: int = 1 << 30
     disk_dir: str | None = None  # None: RAM tier only
     disk_bytes: int = 8 << 30
+    # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
+    # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
+    tls_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.ram_bytes < 1:
@@ -267,17 +313,46 @@ class GatewayConfig:
     # spells logprob tokens and counts chat prompts for the default max_tokens.
     model: str | None = None
     request_timeout_s: float | None = None  # per generation request; None: no limit
-    grace_s: float = 10.0  # on SIGTERM: finish open requests for this long, then close
+    # A request body larger than this is answered 413 without being read (body_limit.py).
+    max_request_bytes: int = 16 * 1024 * 1024
+    grace_s: float = 30.0  # on SIGTERM: finish open requests for this long, then close
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValidationError("port", f"must be in [0, 65535], got {self.port}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValidationError("request_timeout_s", "must be > 0")
+        if self.max_request_bytes < 1:
+            raise ValidationError("max_request_bytes", "must be >= 1")
         if self.grace_s < 0:
             raise ValidationError("grace_s", "must be >= 0")
         if self.served_model_name == "":
             raise ValidationError("served_model_name", "must not be empty")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """API keys of the public doors (gateway HTTP, router `Generation`): `LLMFLEET_API_KEYS`
+    (comma-separated) or repeated `--api-key`; entries `TENANT:SECRET` or `SECRET`
+    (shared/core/api_keys.py). Empty: auth off."""
+
+    api_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))  # a flag's list
+        KeyRing.parse(self.api_keys)  # raises ValidationError("api_keys") naming no secret
+
+    def __repr__(self) -> str:  # never print the keys
+        return f"AuthConfig(api_keys=<{len(self.api_keys)} keys>)"
+
+    @property
+    def keyring(self) -> KeyRing:
+        return KeyRing.parse(self.api_keys)
+
+
+def _check_lease_ttl(ttl_ms: int) -> None:
+    if not 1 <= ttl_ms <= MAX_LEASE_TTL_MS:
+        raise ValidationError("lease_ttl_ms", f"must be in [1, {MAX_LEASE_TTL_MS}], got {ttl_ms}")
 
 
 def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
@@ -296,6 +371,8 @@ def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: An
 
 
 def _parse(name: str, raw: str, hint: Any) -> Any:
+    if typing.get_origin(hint) is tuple:  # comma-separated
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     args = typing.get_args(hint)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if args else hint

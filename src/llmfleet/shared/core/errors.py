@@ -21,7 +21,14 @@ class ValidationError(LLMFleetError, ValueError):
 
 
 class CapacityError(LLMFleetError):
-    """The server cannot take this request now (queue full, no KV memory for it at all)."""
+    """The server cannot take this request now (queue full, no KV memory for it at all).
+
+    `retry_after_s`: when a retry may succeed (sent as gRPC retry pushback / HTTP Retry-After).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ModelLoadError(LLMFleetError):

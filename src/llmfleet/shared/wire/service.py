@@ -8,8 +8,9 @@
 
 Standard `grpc.health.v1.Health`, server reflection, Prometheus `/metrics` on its own HTTP
 port, OpenTelemetry tracing (`shared/wire/tracing.py`: set up from `OTEL_*` once per process; a
-SERVER span for each RPC that arrives with a traceparent), graceful drain. Errors map to status
-codes in one place (`status_for`).
+SERVER span for each RPC that arrives with a traceparent), graceful drain, message-size limits
+and malformed-request handling (`shared/wire/limits.py`). Errors map to status codes in one
+place (`status_for`); RESOURCE_EXHAUSTED carries a retry pushback (`abort_with`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ from llmfleet.shared.core.errors import (
     ModelLoadError,
     ValidationError,
 )
+from llmfleet.shared.wire.limits import (
+    DEFAULT_RETRY_AFTER_S,
+    INTERNAL_MAX_MESSAGE_BYTES,
+    DecodeGuard,
+    pushback_metadata,
+    server_options,
+)
+from llmfleet.shared.wire.tls import FleetTLS, add_port
 from llmfleet.shared.wire.trace_grpc import ServerTracing
 from llmfleet.shared.wire.tracing import setup_tracing
 
@@ -81,7 +90,10 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("internal error", exc_info=exc)
-    await context.abort(code, str(exc))
+    trailing: tuple[tuple[str, str], ...] = ()
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # overload: tell when to retry
+        trailing = pushback_metadata(getattr(exc, "retry_after_s", DEFAULT_RETRY_AFTER_S))
+    await context.abort(code, str(exc), trailing_metadata=trailing)
 
 
 class Service:
@@ -92,23 +104,26 @@ class Service:
         port: int,
         *,
         metrics_port: int | None = 0,
-        grace_s: float = 10.0,
+        grace_s: float = 30.0,
         self_traced: Collection[str] = (),
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        tls: FleetTLS | None = None,
+        max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
     ) -> None:
         """`self_traced`: full method names ("/pkg.Service/Method") whose servicer makes its
-        own SERVER span."""
+        own SERVER span; `interceptors` run after tracing (e.g. api_key_auth.ApiKeyAuth);
+        `max_message_bytes`: the largest message taken or sent (limits.py: a larger one is
+        RESOURCE_EXHAUSTED); malformed requests are INVALID_ARGUMENT (limits.DecodeGuard)."""
         setup_tracing(name)
         self.name = name
         self.host = host
         self.requested_port = port
         self.metrics_port = metrics_port
         self.grace_s = grace_s
+        self.tls = tls
         self.server = grpc.aio.server(
-            interceptors=[ServerTracing(own_span=self_traced)],
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ],
+            interceptors=[ServerTracing(own_span=self_traced), *interceptors, DecodeGuard()],
+            options=server_options(max_message_bytes),
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -130,7 +145,8 @@ class Service:
             ],
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        # With `tls`: mutual TLS, callers need a certificate from the fleet CA.
+        self.port = add_port(self.server, f"{self.host}:{self.requested_port}", self.tls)
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -156,9 +172,11 @@ class Service:
         self._stop.set()
 
     async def wait_for_termination(self) -> None:
-        """Block until a stop is requested, then drain: NOT_SERVING, finish RPCs, stop."""
+        """Block until a stop is requested, then drain: NOT_SERVING at once, new RPCs refused
+        (UNAVAILABLE), open ones (streams included) finish within `grace_s`, the rest are
+        cancelled; then return (the process exits 0)."""
         await self._stop.wait()
-        logger.info("%s draining (grace %.0f s)", self.name, self.grace_s)
+        logger.info("%s draining (grace %g s)", self.name, self.grace_s)
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(self.grace_s)
         logger.info("%s stopped", self.name)

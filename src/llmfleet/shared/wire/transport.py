@@ -24,6 +24,8 @@ import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError, Message
 
+from llmfleet.shared.wire.tls import CurveContext
+
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
@@ -128,9 +130,13 @@ async def recv_loop(
 def bind(
     ctx: zmq.asyncio.Context, kind: int, host: str, port: int = 0
 ) -> tuple[zmq.asyncio.Socket, str]:
-    """Bind a socket on host:port (0: a free port); returns it and its tcp:// endpoint."""
+    """Bind a socket on host:port (0: a free port); returns it and its tcp:// endpoint.
+
+    On a `CurveContext` the socket is a CURVE server admitting only the fleet's keys."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if isinstance(ctx, CurveContext):
+        ctx.serve(sock)
     if port:
         sock.bind(f"tcp://{host}:{port}")
         return sock, f"tcp://{host}:{port}"
