@@ -281,7 +281,7 @@ class VirtualFleet:
             d.capacity_waiters.append(r)
             return
         p.prefills_in_flight += 1
-        r.decode_worker = d
+        r.decode_worker_id = d.id
         self.routed.sent(d.id, 1)
         self.routed.transfer(d.id, len(r.prompt))
         p.admit(r, prefill_only=True)
@@ -293,7 +293,7 @@ class VirtualFleet:
             if self.store is not None:  # the worker puts the prompt's blocks
                 self.store.put(_LAYOUT, r.hashes, [b"\0"] * len(r.hashes))
                 self.store_changed()
-            if r.decode_worker is not None:
+            if r.decode_worker_id:
                 self._push(w, r, out.new_token_ids[0])
                 return
             self._prefilling(w, r, -1)
@@ -304,8 +304,7 @@ class VirtualFleet:
 
     def _push(self, p: VirtualWorker, r: SimRequest, first_token: int) -> None:
         """Disaggregated: P pushes the prompt's KV to D, answers the first token, D decodes."""
-        d = r.decode_worker
-        assert d is not None
+        d = self.by_id[r.decode_worker_id]
 
         def pushed() -> None:
             self.routed.transfer(d.id, -len(r.prompt))

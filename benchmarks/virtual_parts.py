@@ -8,12 +8,8 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from llmfleet.shared.core.config import EngineConfig
-
-if TYPE_CHECKING:
-    from virtual_fleet import VirtualWorker
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ class SimRequest:
     predicted_ttft: float | None = None
     uncached_tokens: int = 0  # of the prompt, as the router saw it when it routed
     fetched_tokens: int = 0  # and fetched from the kvstore
-    decode_worker: VirtualWorker | None = None  # disaggregated
+    decode_worker_id: str = ""  # disaggregated: the decode worker leased for it
     num_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
