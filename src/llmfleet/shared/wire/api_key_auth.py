@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from llmfleet.shared.core.api_keys import KeyRing, bearer_secret
+from llmfleet.shared.wire.grpc_handlers import rebuild_handler
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +75,4 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         ):
             return handler
         logger.debug("rejected %s: no valid API key", details.method)
-        make = _HANDLERS[handler.request_streaming, handler.response_streaming]
-        return make(
-            _deny_stream if handler.response_streaming else _deny_unary,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
-# (request streaming, response streaming) -> the handler factory of that kind of method
-_HANDLERS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
+        return rebuild_handler(handler, _deny_stream if handler.response_streaming else _deny_unary)

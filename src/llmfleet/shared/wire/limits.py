@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from llmfleet.shared.core.config import INTERNAL_MAX_MESSAGE_BYTES
+from llmfleet.shared.wire.grpc_handlers import handler_behavior, rebuild_handler
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -131,22 +132,8 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
 
         return call
 
-    if not (
-        inspect.iscoroutinefunction(_behavior(handler))
-        or inspect.isasyncgenfunction(_behavior(handler))
-    ):
+    behavior = handler_behavior(handler)
+    if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
         return handler  # a sync handler: left as it is
-    kw = dict(request_deserializer=guarded, response_serializer=handler.response_serializer)
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary_request(handler.unary_unary), **kw)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(unary_request(handler.unary_stream), **kw)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(stream_request(handler.stream_unary), **kw)
-    return grpc.stream_stream_rpc_method_handler(stream_request(handler.stream_stream), **kw)
-
-
-def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
-    return (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
+    wrap = stream_request if handler.request_streaming else unary_request
+    return rebuild_handler(handler, wrap(behavior), request_deserializer=guarded)

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from llmfleet.shared.wire.grpc_handlers import handler_behavior, rebuild_handler
 from llmfleet.shared.wire.tracing import context_from_metadata
 
 logger = logging.getLogger(__name__)
@@ -116,14 +117,5 @@ def _wrap(
 
         return handle
 
-    kw = dict(
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary_response(handler.unary_unary), **kw)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary_response(handler.stream_unary), **kw)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream_response(handler.unary_stream), **kw)
-    return grpc.stream_stream_rpc_method_handler(stream_response(handler.stream_stream), **kw)
+    wrap = stream_response if handler.response_streaming else unary_response
+    return rebuild_handler(handler, wrap(handler_behavior(handler)))
