@@ -118,8 +118,11 @@ class WorkerRegistry:
         """Outputs streamed from the worker: it is alive even if a heartbeat is late (a starved
         CPU delays heartbeats, not the tokens already flowing)."""
         old = self._workers.get(worker_id)
-        if old is not None:
-            self._workers[worker_id] = replace(old, last_heartbeat=self.clock())
+        now = self.clock()
+        # Called per received step: refresh only when a tenth of the timeout has passed (the
+        # record is immutable, so each refresh copies it).
+        if old is not None and now - old.last_heartbeat > self.timeout_s / 10:
+            self._workers[worker_id] = replace(old, last_heartbeat=now)
 
     def set_draining(self, worker_id: str) -> bool:
         """The worker takes no new requests (it stays known and live for what it runs)."""
