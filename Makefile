@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all env run test test-gpu lint format bench bench-serve bench-routing bench-gpu clean proto soak
+.PHONY: all env run test test-gpu manifests lint format bench bench-serve bench-routing bench-gpu clean proto soak image
 
 all: test
 
@@ -43,6 +43,11 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# The Kubernetes manifests (deploy/kubernetes/): every overlay rendered with `kubectl kustomize`
+# (no kubectl: fails saying so), validated, and checked against the services' command lines.
+manifests: $(STAMP)
+	$(BIN)/python -m pytest -q tests/deploy/test_kustomize_render.py tests/deploy/test_manifest_contract.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -56,10 +61,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fleet_bench.py
 	$(BIN)/python benchmarks/routing_bench.py
 
-# Ten minutes at full load with 10% of streams cancelled: fails on a failed request or a leak
-# (KV blocks, fds, RSS growth > 10%) in any fleet process (docs/fleet.md).
+# Ten minutes at full load on the bundled model with 10% of streams cancelled: fails on a
+# failed request or a leak (KV blocks, fds, RSS growth > 10%) in any fleet process
+# (docs/fleet.md). `benchmarks/soak.py` without --real soaks simulated workers instead.
 soak: $(STAMP)
-	$(BIN)/python benchmarks/soak.py --duration-s 600
+	$(BIN)/python benchmarks/soak.py --duration-s 600 --real
 
 # Routing policies side by side (a fleet of two workers per policy, loaded one after the other):
 # `llmfleet bench serve` on the prefix-repetition dataset, TTFT side by side.
@@ -77,6 +83,32 @@ bench-gpu:
 	python3 benchmarks/kernels/bench_gemv.py
 	python3 benchmarks/gpu_decode_bench.py
 	python3 benchmarks/e2e_llama3_bench.py
+
+# The container images (deploy/docker/, docs/kubernetes.md): CPU and CUDA, with the same entry
+# points. Built with $(CONTAINER_RUNTIME) when set, else the first of docker and podman whose
+# `info` succeeds (a daemon that answers); with neither it fails and says so.
+IMAGE_CPU  ?= llmfleet:cpu
+IMAGE_CUDA ?= llmfleet:cuda
+CONTAINER_RUNTIME ?=
+
+image:
+	@runtime="$(CONTAINER_RUNTIME)"; \
+	if [ -z "$$runtime" ]; then \
+		for c in docker podman; do \
+			if command -v $$c >/dev/null 2>&1 && $$c info >/dev/null 2>&1; then runtime=$$c; break; fi; \
+		done; \
+	fi; \
+	if [ -z "$$runtime" ]; then \
+		echo "make image: no working container runtime: neither \`docker info\` nor \`podman info\` succeeds; install docker or podman and start it, or set CONTAINER_RUNTIME" >&2; \
+		exit 1; \
+	fi; \
+	version=$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml); \
+	revision=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown); \
+	set -ex; \
+	$$runtime build -f deploy/docker/Dockerfile.cpu -t "$(IMAGE_CPU)" \
+		--build-arg VERSION=$$version --build-arg REVISION=$$revision .; \
+	$$runtime build -f deploy/docker/Dockerfile.cuda -t "$(IMAGE_CUDA)" \
+		--build-arg VERSION=$$version --build-arg REVISION=$$revision .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError
+from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError, plan
 from llmfleet.cli.launcher import Fleet
 from llmfleet.cli.main import main
 from llmfleet.shared.core.errors import ValidationError
@@ -242,3 +242,25 @@ def test_spec_validation_names_the_field():
         FleetSpec(disaggregated=True, decode_workers=0)
     with pytest.raises(ValidationError, match="^extra_args"):
         FleetSpec(extra_args={"scheduler": ["--x"]})
+
+
+def _threads(spec: FleetSpec, tmp_path) -> list[str | None]:
+    """Each worker's --num-threads, as planned."""
+    workers = plan(spec, tmp_path)[2]
+    return [
+        c.argv[c.argv.index("--num-threads") + 1] if "--num-threads" in c.argv else None
+        for c in workers
+    ]
+
+
+def test_cpu_workers_split_the_cores_and_explicit_threads_stand(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert _threads(FleetSpec(port=0, workers=2), tmp_path) == ["4", "4"]
+    assert _threads(FleetSpec(port=0, workers=3), tmp_path) == ["2", "2", "2"]
+    assert _threads(FleetSpec(port=0, workers=1), tmp_path) == [None]  # torch's default
+    explicit = FleetSpec(port=0, workers=2, engine={"num_threads": 3})
+    assert _threads(explicit, tmp_path) == ["3", "3"]
+    simulated = FleetSpec(port=0, workers=2, engine={"simulate": True})
+    assert _threads(simulated, tmp_path) == [None, None]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert _threads(FleetSpec(port=0, workers=4), tmp_path) == ["1"] * 4

@@ -8,7 +8,7 @@ import torch
 from llmfleet.engine.engine import LLMEngine
 from llmfleet.models.loader import load_model
 from llmfleet.shared.core.config import EngineConfig
-from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 
@@ -171,6 +171,10 @@ def test_validation_names_the_field(loaded):
             lambda: engine.add_request("a", [1], SamplingParams(stop_token_ids=[vocab])),
             "stop_token_ids",
         ),
+        (
+            lambda: engine.add_request("a", [1], SamplingParams(stop_token_ids=[5] * 1025)),
+            "stop_token_ids",
+        ),
         (lambda: SamplingParams(temperature=float("nan")), "temperature"),
         (lambda: SamplingParams(temperature=2.5), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
@@ -191,7 +195,10 @@ def test_validation_names_the_field(loaded):
         engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
     assert e.value.field == "request_id"
     small = engine_with(loaded, num_kv_blocks=2)
-    with pytest.raises(CapacityError):
+    with pytest.raises(
+        ValidationError,
+        match=r"\(17 tokens\) \+ max_tokens \(4\) need 6 KV blocks; this worker.s whole cache",
+    ):
         small.add_request("big", list(range(3, 20)), SamplingParams(max_tokens=4))
     assert small.num_free_blocks == 2
 

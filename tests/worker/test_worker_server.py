@@ -105,7 +105,8 @@ def test_validation_and_capacity_errors_have_status_codes(loaded):
             big = SamplingParams(max_tokens=40, temperature=0.0)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await s.AddRequest(add_request_pb("a", prompt(loaded, 40), big, ep))
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # no retry would help
+            assert "max_tokens" in e.value.details()
             # a unified worker has no role restriction; a prefill-only RPC on it without a
             # lease is a validation error
             with pytest.raises(grpc.aio.AioRpcError) as e:

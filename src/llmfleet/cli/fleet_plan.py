@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -207,7 +208,7 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         return Child(name, kind, f"{bind}:{port}", argv, log_dir / f"{name}.log", role)
 
     own = {f: getattr(spec, f) for f in _OWN_FIELDS}
-    engine = engine_argv({**own, **spec.engine})
+    engine = engine_argv(_share_cores({**own, **spec.engine}, len(roles)))
 
     first: list[Child] = []
     kv_args: list[str] = []
@@ -258,3 +259,15 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         gw_args = ["--router", router.address, *tok_args]
         gateways.append(make("gateway", "gateway", http, gw_args))
     return [first, [router], workers, gateways]
+
+
+def _share_cores(engine: dict[str, Any], num_workers: int) -> dict[str, Any]:
+    """CPU workers split this machine's cores instead of each taking all of them: torch's
+    default is one thread per core per process, and two such workers stepping at once
+    oversubscribe the cores (spinning OpenMP threads preempt each other), several times slower
+    than one thread each. An explicit `num_threads` stands; GPU and simulated workers keep
+    theirs."""
+    on_cpu = not str(engine.get("device") or "cpu").startswith("cuda")
+    if num_workers < 2 or engine.get("num_threads") or engine.get("simulate") or not on_cpu:
+        return engine
+    return {**engine, "num_threads": max(1, (os.cpu_count() or 1) // num_workers)}

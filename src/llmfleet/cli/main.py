@@ -6,6 +6,7 @@
     llmfleet generate --offline ... PROMPT       (the engine in this process, no fleet)
     llmfleet bench serve [--backend grpc|openai|openai-chat] [--dataset-name ...] ...
     llmfleet tls init DIR                         (a development CA and fleet credentials)
+    llmfleet router|worker|tokenizer|kvstore|gateway ARGS...   (one service, as its __main__)
 
 `generate` and `chat` talk gRPC to a fleet (`--endpoint`, else `LLMFLEET_ENDPOINT`, else
 127.0.0.1:50051); `--offline` runs the engine in this process instead. Only completions go to
@@ -13,7 +14,9 @@ stdout; logs, logprobs and errors go to stderr. Exit status: 0 ok; 1 the fleet i
 or failed; 2 bad input (the message names the parameter); 130 interrupted.
 
 This module parses (`parser`), dispatches to `generate`, `up` or `bench serve`, and turns an
-`LLMFleetError` into a message on stderr and the exit status.
+`LLMFleetError` into a message on stderr and the exit status. `llmfleet <service> ARGS...` goes
+to the service's own `main` unparsed (`services`): its flags, logs and exit status are the
+service's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Sequence
 
 from llmfleet.cli.generate import offline_chat, offline_generate, remote_chat, remote_generate
 from llmfleet.cli.parser import build_parser
+from llmfleet.cli.services import SERVICES, run_service
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 
 
@@ -54,6 +58,9 @@ def _report(exc: Exception, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SERVICES:
+        return run_service(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -9,6 +9,7 @@ import argparse
 
 from llmfleet.cli.benchserve import args as bench_args
 from llmfleet.cli.generate import ENGINE_FLAGS
+from llmfleet.cli.services import SERVICES
 from llmfleet.shared.core.api_keys import add_api_key_flag
 from llmfleet.shared.core.config import ROUTING_POLICIES
 from llmfleet.shared.core.engine_flags import add_engine_flags
@@ -170,4 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("dir", help="directory to create (must not hold credentials already)")
     init.add_argument("--days", type=int, default=365, help="validity (default 365)")
     init.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    # `llmfleet <service> ARGS...` is dispatched by `main` before this parser sees it (its
+    # arguments are the service's own); listed here for `llmfleet --help`.
+    for name, summary in SERVICES.items():
+        sub.add_parser(name, add_help=False, help=f"{summary} (`llmfleet {name} --help`)")
     return parser

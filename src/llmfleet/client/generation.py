@@ -24,7 +24,7 @@ imports grpc and the generated messages, never torch, so the CLI starts fast.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,12 +103,17 @@ class _Calls:
         self._auth = auth_metadata(api_key)  # `authorization: Bearer <key>` on every call
 
     def _start_generate(
-        self, prompt: str | None, timeout: float | None, api_key: str | None, kwargs: Any
+        self,
+        prompt: str | None,
+        timeout: float | None,
+        api_key: str | None,
+        kwargs: Any,
+        extra: Sequence[tuple[str, str]] = (),
     ) -> Any:
         req = build_request(prompt, **kwargs)
         auth = auth_metadata(api_key) if api_key else self._auth
         # An application's current span (if any) becomes the parent of the fleet's llm_request.
-        md = [*(metadata() or ()), *auth]
+        md = [*(metadata() or ()), *auth, *extra]
         call = self._stub.Generate(req, timeout=timeout, metadata=md or None)
         return call, num_completions(req)
 
@@ -191,11 +196,12 @@ class GenerationClient(_Calls):
         *,
         timeout: float | None = None,
         api_key: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
         **kwargs: Any,
     ) -> GenerateStream:
-        """Start a Generate call (arguments as `build_request`; `api_key` over the client's);
-        iterate it for `Delta`s."""
-        return GenerateStream(*self._start_generate(prompt, timeout, api_key, kwargs))
+        """Start a Generate call (arguments as `build_request`; `api_key` over the client's;
+        `metadata`: more call metadata, e.g. a worker pin); iterate it for `Delta`s."""
+        return GenerateStream(*self._start_generate(prompt, timeout, api_key, kwargs, metadata))
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
@@ -264,9 +270,12 @@ class AsyncGenerationClient(_Calls):
         *,
         timeout: float | None = None,
         api_key: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
         **kwargs: Any,
     ) -> AsyncGenerateStream:
-        return AsyncGenerateStream(*self._start_generate(prompt, timeout, api_key, kwargs))
+        return AsyncGenerateStream(
+            *self._start_generate(prompt, timeout, api_key, kwargs, metadata)
+        )
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any

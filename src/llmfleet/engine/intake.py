@@ -4,7 +4,7 @@ becomes.
 Policy over the model's spec, the sampling limits and the KV cache's geometry. It holds no
 request state and mutates nothing: the engine tells it whether a request id is in use, and
 admits the sequences it builds. Errors are typed: `ValidationError` names the parameter,
-`CapacityError` says the cache could never hold the request.
+also when the whole KV cache could never hold the request (no retry would help).
 
 A request with `n > 1` becomes n sequences `rid#0`.. (one sequence `rid` when n == 1), each
 with the request's stop ids (plus the model's eos ids unless `ignore_eos`), the hash context of
@@ -20,7 +20,7 @@ from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.request import Request
 from llmfleet.models.loader import ModelSpec
 from llmfleet.shared.core.block_hash import HashContext
-from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 
 
@@ -72,9 +72,11 @@ class RequestIntake:
         )
         needed = self.block_manager.blocks_needed(len(prompt_token_ids) + params.max_tokens)
         if needed > self.block_manager.num_blocks:
-            raise CapacityError(
-                f"request needs {needed} KV blocks but the cache has "
-                f"{self.block_manager.num_blocks}"
+            raise ValidationError(
+                "max_tokens",
+                f"the prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) need {needed} KV blocks; this worker's whole cache has "
+                f"{self.block_manager.num_blocks}",
             )
 
     def check_prefilled(

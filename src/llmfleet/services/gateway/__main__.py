@@ -46,6 +46,7 @@ SERVICE = ServiceMain(
     metrics_port_help="also serve /metrics here",
 )
 main = SERVICE.main
+build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
 
 if __name__ == "__main__":
     sys.exit(main())

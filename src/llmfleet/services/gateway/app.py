@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,6 +40,7 @@ from llmfleet.services.gateway.tracing import end_request_span, ending_with, sta
 from llmfleet.services.gateway.upstream import ServedModel, Upstream
 from llmfleet.shared.core.config import AuthConfig, GatewayConfig
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.wire.worker_pin import WORKER_PIN_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,15 @@ async def _generate(call: Call, served: ServedModel, up: Upstream, request: Requ
     return response
 
 
+def worker_pin(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The worker an endpoint picker named for this request (`x-llmfleet-worker`), relayed to
+    the router as call metadata: a routing hint (shared/wire/worker_pin.py)."""
+    worker = headers.get(WORKER_PIN_KEY, "").strip()
+    if not (worker and worker.isascii() and worker.isprintable()):  # (gRPC metadata is ASCII)
+        return []
+    return [(WORKER_PIN_KEY, worker)]
+
+
 async def _answer(call: Call, served: ServedModel, up: Upstream, request: Request) -> Response:
     """Run one Generate call: the whole answer, or an SSE stream once the first delta is in
     (so that errors before it still get their HTTP status)."""
@@ -182,6 +192,7 @@ async def _answer(call: Call, served: ServedModel, up: Upstream, request: Reques
             request_id=call.request_id,
             timeout=up.config.request_timeout_s,
             api_key=caller_key(request.headers),  # the router checks it and salts by tenant
+            metadata=worker_pin(request.headers),
             **call.kwargs,
         )
     except ValidationError as exc:

@@ -32,6 +32,7 @@ SERVICE = ServiceMain(
     usage_on_bad_config=True,
 )
 main = SERVICE.main
+build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
 
 if __name__ == "__main__":
     sys.exit(main())

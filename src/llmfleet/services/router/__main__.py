@@ -58,6 +58,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--internal-port", type=int, help="the Registry's own port (default: the public one)"
     )
+    p.add_argument(
+        "--advertise-host",
+        help="the host peers reach this process at, when it binds a wildcard (a pod's IP)",
+    )
+    p.add_argument(
+        "--epp-port",
+        type=int,
+        help="serve the Envoy ext_proc v3 endpoint picker on this port of --host (default: off)",
+    )
+    p.add_argument(
+        "--epp-target-port",
+        type=int,
+        help="the port the endpoint picker names on a worker's host: its HTTP gateway (8000)",
+    )
     p.add_argument("--tls-dir", help=TLS_DIR_HELP)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -70,6 +84,7 @@ SERVICE = ServiceMain(
     metrics_port_help="Prometheus /metrics port",
 )
 main = SERVICE.main
+build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -61,12 +61,7 @@ from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAIT
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tls import FleetTLS
 from llmfleet.shared.wire.tracing import metadata
-from llmfleet.v1 import (
-    common_pb2,
-    generation_pb2,
-    tokenizer_pb2_grpc,
-    worker_pb2,
-)
+from llmfleet.v1 import common_pb2, generation_pb2, tokenizer_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +85,9 @@ class Router:
         self.registry = WorkerRegistry(config.heartbeat_timeout_ms)
         self.pool = WorkerPool(lambda wid: self.worker_gone(wid, "connection lost"), tls)
         self.kv = KVSubscriber(ctx, self._fetch_snapshot)
-        self.replies = ReplyReceiver(ctx, config.internal_host, on_batch=self.registry.touch)
+        self.replies = ReplyReceiver(
+            ctx, config.internal_host, self.registry.touch, config.advertise_host
+        )
         self.policy: Policy = make_policy(config.routing_policy, config.prefix_load_threshold)
         self.placement = Placement(
             config,

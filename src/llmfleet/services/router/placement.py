@@ -19,18 +19,21 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
 from llmfleet.services.router import metrics, spans
+from llmfleet.services.router.pinning import Pins
 from llmfleet.services.router.registry import ROLE_DECODE, ROLE_UNIFIED, WorkerRegistry
 from llmfleet.services.router.replies import ReplyReceiver
 from llmfleet.services.router.request import CompletionState, Leg, Outputs, RequestRun
 from llmfleet.services.router.routed_load import RoutedLoad
 from llmfleet.services.router.routing import (
+    OUTCOME_PINNED,
     Candidate,
     Policy,
+    RouteDecision,
     fetched_tokens,
     uncached_tokens,
 )
@@ -98,6 +101,7 @@ class Placement:
         self._freed: dict[str, asyncio.Event] = {}  # worker id -> set when it frees KV
         # session id -> the worker its latest request was routed to (least recent first)
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        self.pins = Pins()  # request id -> the worker its call named (the servicer holds them)
 
     @property
     def serving_role(self) -> str:
@@ -106,11 +110,21 @@ class Placement:
     def candidates(
         self, run: RequestRun, role: str, hashes: Sequence[bytes], use_prefix: bool
     ) -> list[Candidate]:
+        return self._candidates(role, hashes, use_prefix, run.excluded, run.session_id)
+
+    def _candidates(
+        self,
+        role: str,
+        hashes: Sequence[bytes],
+        use_prefix: bool,
+        excluded: Collection[str],
+        session_id: str,
+    ) -> list[Candidate]:
         out = []
         store = self.store.matched_prefix(hashes) if use_prefix and self.store else 0
-        session = self._sessions.get(run.session_id) if use_prefix and run.session_id else None
+        session = self._sessions.get(session_id) if use_prefix and session_id else None
         for w in self.registry.live(role):
-            if w.worker_id in run.excluded:
+            if w.worker_id in excluded:
                 continue
             prefix = self.kv.index.matched_prefix(w.worker_id, hashes) if use_prefix else 0
             out.append(
@@ -124,10 +138,44 @@ class Placement:
             )
         return out
 
+    def pick(
+        self,
+        role: str,
+        hashes: Sequence[bytes],
+        num_prompt_tokens: int,
+        block_size: int,
+        *,
+        session_id: str = "",
+        excluded: Collection[str] = (),
+        pin: str = "",
+        policy: Policy | None = None,
+    ) -> tuple[RouteDecision, Candidate]:
+        """The worker of `role` for a prompt of `num_prompt_tokens` tokens whose block hashes
+        are `hashes` (read only when the policy counts prefixes), and what the policy saw of
+        it: the worker `pin` names (registered address or id) when it is a candidate, else the
+        policy's choice among the live workers not in `excluded`. Places nothing, records
+        nothing: `route` does that for a request; the endpoint picker (epp.py) only asks."""
+        policy = policy or self.policy
+        cands = self._candidates(role, hashes, policy.needs_prefix, excluded, session_id)
+        if not cands:
+            raise Unavailable(f"no live {role} worker")
+        pinned = next((c for c in cands if pin and self._names(c.worker_id, pin)), None)
+        if pinned is not None:
+            prefix = pinned.prefix_blocks * block_size
+            return RouteDecision(policy.name, pinned.worker_id, prefix, OUTCOME_PINNED), pinned
+        decision = policy.choose(cands, block_size, num_prompt_tokens)
+        return decision, next(c for c in cands if c.worker_id == decision.worker_id)
+
+    def _names(self, worker_id: str, pin: str) -> bool:
+        """Whether `pin` names `worker_id`, a worker taking new requests."""
+        info = self.registry.get(worker_id)
+        return info is not None and not info.draining and pin in (info.address, worker_id)
+
     def route(
         self, run: RequestRun, role: str, prompt_ids: Sequence[int], policy: Policy | None = None
     ) -> str:
-        """The worker of `role` for `prompt_ids` (one `route` span in the request's trace)."""
+        """The worker of `role` for `prompt_ids` (one `route` span in the request's trace); the
+        serving role's worker is the one the request's call named, if it can take it."""
         policy = policy or self.policy
         hashes: Sequence[bytes] = ()
         if policy.needs_prefix:
@@ -138,11 +186,20 @@ class Placement:
         with spans.tracer.start_as_current_span(
             "route", run.trace, attributes={"llmfleet.routing.role": role}
         ) as span:
-            cands = self.candidates(run, role, hashes, policy.needs_prefix)
-            if not cands:
-                raise Unavailable(f"no live {role} worker for request {run.request_id}")
-            decision = policy.choose(cands, run.model.block_size, len(prompt_ids))
-            pick = next(c for c in cands if c.worker_id == decision.worker_id)
+            pin = self.pins.get(run.request_id) if role == self.serving_role else ""
+            try:
+                decision, pick = self.pick(
+                    role,
+                    hashes,
+                    len(prompt_ids),
+                    run.model.block_size,
+                    session_id=run.session_id,
+                    excluded=run.excluded,
+                    pin=pin,
+                    policy=policy,
+                )
+            except Unavailable:
+                raise Unavailable(f"no live {role} worker for request {run.request_id}") from None
             spans.set_route(span, decision)
         metrics.ROUTING.labels(decision.policy, decision.outcome).inc()
         logger.debug(

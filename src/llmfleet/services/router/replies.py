@@ -29,9 +29,10 @@ class ReplyReceiver:
         ctx: zmq.asyncio.Context,
         host: str,
         on_batch: Callable[[str], None] | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         """`on_batch(worker_id)`: called for every batch received (a sign of life)."""
-        self._sock, self.endpoint = bind(ctx, zmq.PULL, host)
+        self._sock, self.endpoint = bind(ctx, zmq.PULL, host, advertise_host=advertise_host)
         self._sinks: dict[str, Sink] = {}
         self._on_batch_from = on_batch
         self._task: asyncio.Task[None] | None = None

@@ -75,6 +75,7 @@ OUTCOME_PREFIX_HIT = "prefix_hit"
 OUTCOME_NO_PREFIX = "no_prefix"
 OUTCOME_LOAD_FALLBACK = "load_fallback"
 OUTCOME_PREDICTED = "predicted"
+OUTCOME_PINNED = "pinned"  # the worker the request's call named (placement.py, pinning.py)
 
 # A fetch from the kvstore moves KV bytes instead of computing them: until measured, a tenth
 # of the prefill prior per token.

@@ -24,6 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmfleet.services.router.epp import EndpointPickerServer
 from llmfleet.services.router.orchestrator import Router
 from llmfleet.services.router.registry import ROLES, Load
 from llmfleet.services.router.request import WorkerFailed
@@ -175,12 +176,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         parent = context_from_metadata(context.invocation_metadata())
+        pins = self.router.placement.pins  # a worker the call names (pinning.py)
         async with self.tenancy.admit(request, context):  # the tenant's own prefix cache
-            try:
-                async for resp in self.router.generate(request, parent):
-                    yield resp
-            except LLMFleetError as exc:
-                await abort_with(context, exc)
+            with pins.hold(request, context.invocation_metadata()):
+                try:
+                    async for resp in self.router.generate(request, parent):
+                        yield resp
+                except LLMFleetError as exc:
+                    await abort_with(context, exc)
 
     async def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -267,6 +270,9 @@ class RouterServer:
         registry_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.router), (self.internal or self.service).server
         )
+        self.epp = (
+            None if config.epp_port is None else EndpointPickerServer(config, self.router, keys)
+        )
         self._loops: list[asyncio.Task[None]] = []
         self.serving = False
         self._tokenizer_seen_at = -float("inf")  # its last SERVING answer (monotonic s)
@@ -288,6 +294,8 @@ class RouterServer:
             await self.internal.start([REGISTRY])
             await self.internal.set_serving()  # workers register before the router serves
         await self.service.start([GENERATION] if self.internal else [GENERATION, REGISTRY])
+        if self.epp is not None:  # the Envoy ext_proc endpoint picker (epp.py)
+            await self.epp.start()
         self._loops = [asyncio.create_task(self._liveness_loop())]
         logger.info(
             "router on %s (%s, %s), registry on %s, replies on %s",
@@ -323,6 +331,8 @@ class RouterServer:
     async def _close(self) -> None:
         if self.internal is not None:  # heartbeats went on while the public port drained
             await self.internal.server.stop(0)
+        if self.epp is not None:
+            await self.epp.stop()
         await self.router.close()
         if self.store_view is not None:
             await self.store_view.close()
@@ -360,6 +370,8 @@ class RouterServer:
                 )
                 for name in ("", GENERATION, REGISTRY):
                     await self.service.health.set(name, status)
+                if self.epp is not None:
+                    await self.epp.set_serving(serving)
                 logger.info("router %s", "SERVING" if serving else "NOT_SERVING")
             await asyncio.sleep(period / 1000.0)
 

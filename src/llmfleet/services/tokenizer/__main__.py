@@ -32,6 +32,7 @@ SERVICE = ServiceMain(
     metrics_port_help="Prometheus /metrics port",
 )
 main = SERVICE.main
+build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
 
 if __name__ == "__main__":
     sys.exit(main())

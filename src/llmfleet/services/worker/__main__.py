@@ -23,6 +23,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=WORKER_ROLES, help="default unified")
     p.add_argument("--worker-id", help="unique id (default: derived from address and pid)")
     p.add_argument("--router", dest="router_address", help="Registry HOST:PORT")
+    p.add_argument(
+        "--advertise-host",
+        help="the host peers reach this process at, when it binds a wildcard (a pod's IP)",
+    )
     p.add_argument("--kvstore", dest="kvstore_address", help="kvstore gRPC HOST:PORT")
     p.add_argument("--kvstore-endpoint", help="kvstore ZMQ data endpoint tcp://HOST:PORT")
     p.add_argument(
@@ -67,6 +71,7 @@ SERVICE = ServiceMain(
     usage_on_bad_config=True,
 )
 main = SERVICE.main
+build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
 parse_config = SERVICE.parse  # (WorkerConfig, EngineConfig, grace_s), for tests
 
 if __name__ == "__main__":

@@ -41,12 +41,7 @@ from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.services.worker.kvstore_client import KVStoreClient
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
 from llmfleet.services.worker.loop import EngineLoop, EngineThread
-from llmfleet.services.worker.outputs import (
-    IterationFacts,
-    ReplySinks,
-    WorkerCounters,
-    load_report,
-)
+from llmfleet.services.worker.outputs import IterationFacts, ReplySinks, WorkerCounters, load_report
 from llmfleet.services.worker.prefill_side import PrefillSide
 from llmfleet.services.worker.registration import Registrar
 from llmfleet.services.worker.request_spans import RequestSpans
@@ -55,7 +50,7 @@ from llmfleet.shared.wire import tls
 from llmfleet.shared.wire.convert import ROLE_TO_PB, model_info_to_pb
 from llmfleet.shared.wire.kv_events import KVEventPublisher
 from llmfleet.shared.wire.service import FailedPrecondition, Service, Unavailable
-from llmfleet.shared.wire.transport import bind, dtype_name, kv_layout_key
+from llmfleet.shared.wire.transport import bind, dtype_name, kv_layout_key, reachable_host
 from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
 
 logger = logging.getLogger(__name__)
@@ -115,7 +110,8 @@ class WorkerRuntime:
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
     def address(self) -> str:
-        return self.service.address
+        """Where the router and peers reach this worker's gRPC (its registered address)."""
+        return f"{reachable_host(self.wc.host, self.wc.advertise_host)}:{self.service.port}"
 
     @property
     def role(self) -> str:
@@ -145,7 +141,9 @@ class WorkerRuntime:
         )
         self.kv_layout_key = kv_layout_key(engine.spec.model_id, L, bs, H, D, dtype)
 
-        self.publisher = KVEventPublisher(self._ctx, self.wc.host, self.worker_id)
+        self.publisher = KVEventPublisher(
+            self._ctx, self.wc.host, self.worker_id, advertise_host=self.wc.advertise_host
+        )
         self.kv_events_endpoint = self.publisher.endpoint
         self.sinks = ReplySinks(self._ctx, self.worker_id)
         # A CPU forward pass takes every core; a GPU's or a simulated one leaves them free.
@@ -171,7 +169,9 @@ class WorkerRuntime:
                 kv_push_timeout_ms=self.wc.kv_push_timeout_ms,
             )
         if self.role in ("decode", "unified"):
-            sock, self.kv_endpoint = bind(self._ctx, zmq.ROUTER, self.wc.host)
+            sock, self.kv_endpoint = bind(
+                self._ctx, zmq.ROUTER, self.wc.host, 0, self.wc.advertise_host
+            )
             self.decode = DecodeSide(
                 self._engine_loop,
                 self.kv_layout,

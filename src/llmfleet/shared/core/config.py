@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llmfleet.shared.core.api_keys import KeyRing
+
+# The engine's part lives in its own module; importers may take it from here with the others.
+from llmfleet.shared.core.engine_config import EngineConfig as EngineConfig
 from llmfleet.shared.core.errors import ValidationError
 
 ENV_PREFIX = "LLMFLEET_"
@@ -27,118 +30,6 @@ T = TypeVar("T")
 INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # The longest a KV lease may live (a worker refuses a ReserveKV asking for more).
 MAX_LEASE_TTL_MS = 10 * 60 * 1000
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine core of one worker (any role)."""
-
-    model: str | None = None  # HF checkpoint dir or .gguf file; None: the bundled SmolLM2
-    device: str = "cpu"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    block_size: int = 16
-    # KV cache size: an explicit block count wins; otherwise `kv_cache_bytes` is divided by the
-    # model's bytes per block. Unset on a CUDA device: what `gpu_memory_utilization` of the GPU
-    # leaves after the weights and a step's activations (engine/memory.py); elsewhere 1 GiB.
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    # The share of the GPU's memory this worker may use in all; two workers on one GPU split it.
-    gpu_memory_utilization: float = 0.9
-    # Sequences and tokens per step; unset: 256 and 8192 on a CUDA device, 64 and 2048 elsewhere.
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None  # None: the model's own context length
-    enable_prefix_caching: bool = True
-    max_n: int = 16
-    max_logprobs: int = 20
-    # Intra-op CPU threads; None: torch's default on a CPU device, 1 with a CUDA device.
-    num_threads: int | None = None
-    # CUDA devices: decode steps of up to this many sequences replay CUDA graphs captured at
-    # start-up (capped by max_num_seqs); 0 runs every step eagerly; unset: max_num_seqs, at
-    # most 512. Ignored on the CPU.
-    cuda_graph_max_batch_size: int | None = None
-    # With CUDA graphs: launch the next decode step from the current one's token ids on the
-    # device, before reading them back, so the host's work hides under the GPU's
-    # (engine/async_scheduling.py).
-    async_scheduling: bool = True
-    # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
-    # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
-    quantization: str | None = None
-    # A simulated model (models/simulated.py): the checkpoint's tokenizer and KV geometry, no
-    # weights, and a forward pass that takes sim_step_ms + sim_decode_ms_per_seq per decoding
-    # sequence + sim_prefill_ms_per_token per prompt token (defaults: an 8B model on one
-    # H100-class GPU), for benchmarking and testing the fleet on CPUs.
-    simulate: bool = False
-    sim_step_ms: float = 5.5
-    sim_decode_ms_per_seq: float = 0.055
-    sim_prefill_ms_per_token: float = 0.04
-
-    def __post_init__(self) -> None:
-        for name in ("sim_step_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
-            if not 0 <= getattr(self, name) <= 60_000:
-                raise ValidationError(name, f"must be in [0, 60000], got {getattr(self, name)}")
-        if self.simulate and self.quantization is not None:
-            raise ValidationError("quantization", "a simulated model has no weights to quantize")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValidationError(
-                "dtype", f"must be float32, bfloat16 or float16, got {self.dtype}"
-            )
-        if self.quantization not in (None, "fp8"):
-            raise ValidationError("quantization", f"must be fp8 or unset, got {self.quantization}")
-        if self.quantization == "fp8" and (
-            self.dtype == "float32" or not self.device.startswith("cuda")
-        ):
-            raise ValidationError(
-                "quantization",
-                f"fp8 needs device cuda and dtype bfloat16 or float16 "
-                f"(got device {self.device}, dtype {self.dtype})",
-            )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValidationError("block_size", f"must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValidationError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValidationError("kv_cache_bytes", "must be >= 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValidationError(
-                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValidationError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        batched = self.max_num_batched_tokens
-        if batched is not None and batched < self.block_size:
-            raise ValidationError(
-                "max_num_batched_tokens",
-                f"must be >= block_size ({self.block_size}), got {batched}",
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
-        if self.max_n < 1 or self.max_logprobs < 0:
-            raise ValidationError("max_n", "max_n must be >= 1 and max_logprobs >= 0")
-        if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 0:
-            raise ValidationError(
-                "cuda_graph_max_batch_size",
-                f"must be >= 0 (0 disables CUDA graphs), got {self.cuda_graph_max_batch_size}",
-            )
-
-    def resolved(self) -> EngineConfig:
-        """This config with its device's defaults for the sizes left unset (`kv_cache_bytes`
-        stays: the engine sizes it once the weights are loaded)."""
-        gpu = self.device.startswith("cuda") and not self.simulate
-        seqs = self.max_num_seqs or (256 if gpu else 64)
-        graphs = self.cuda_graph_max_batch_size
-        return dataclasses.replace(
-            self,
-            max_num_seqs=seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 2048),
-            cuda_graph_max_batch_size=min(seqs, 512) if graphs is None else graphs,
-        )
-
-    @property
-    def torch_dtype(self) -> Any:
-        import torch
-
-        return getattr(torch, self.dtype)
 
 
 ROUTING_POLICIES = ("round_robin", "least_load", "prefix_aware", "predicted_ttft")
@@ -193,13 +84,27 @@ class RouterConfig:
     # public `host`. `internal_port` None: the Registry shares the public port (plaintext only).
     internal_host: str = "127.0.0.1"
     internal_port: int | None = None
+    # Workers reach the router's reply endpoint at this host (a pod's IP); None: internal_host,
+    # or this machine's address when that is a wildcard (shared/wire/transport.reachable_host).
+    advertise_host: str | None = None
     # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
     # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
     tls_dir: str | None = None
+    # The Envoy ext_proc v3 endpoint picker (router/epp.py) on this port of `host`; None: off.
+    # It names `<worker host>:<epp_target_port>`, the HTTP server beside each worker (a pod's
+    # gateway sidecar).
+    epp_port: int | None = None
+    epp_target_port: int = 8000
 
     def __post_init__(self) -> None:
         if self.grace_s < 0:
             raise ValidationError("grace_s", "must be >= 0")
+        if self.epp_port is not None and not 0 <= self.epp_port < 65536:
+            raise ValidationError("epp_port", f"must be in [0, 65535], got {self.epp_port}")
+        if not 0 < self.epp_target_port < 65536:
+            raise ValidationError(
+                "epp_target_port", f"must be in [1, 65535], got {self.epp_target_port}"
+            )
         if self.tls_dir is not None and self.internal_port is None:
             raise ValidationError(
                 "internal_port", "tls_dir needs an internal port: the public one stays plaintext"
@@ -232,6 +137,9 @@ class WorkerConfig:
     role: str = "unified"  # unified | prefill | decode
     worker_id: str | None = None  # None: derived from host, port and pid
     router_address: str | None = None  # Registry to register with (None: standalone)
+    # The host in the address this worker registers and in its ZMQ endpoints (a pod's IP);
+    # None: `host`, or this machine's address when that is a wildcard.
+    advertise_host: str | None = None
     kvstore_address: str | None = None  # KVStore gRPC address (None: no shared KV store)
     kvstore_endpoint: str | None = None  # KVStore ZMQ data endpoint (tcp://host:port)
     # KVStore's KV-event PUB endpoint: with it the worker keeps a view of what the kvstore

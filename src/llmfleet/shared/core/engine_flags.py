@@ -35,7 +35,8 @@ HELP = {
     "enable_prefix_caching": "share cached KV blocks between requests with a common prefix",
     "max_n": "completions per request, at most (default 16)",
     "max_logprobs": "top logprobs per position, at most (default 20)",
-    "num_threads": "intra-op CPU threads (default: torch's on a CPU device, 1 with CUDA)",
+    "num_threads": "intra-op CPU threads (default: torch's on a CPU device, split among "
+    "`llmfleet up`'s CPU workers; 1 with CUDA)",
     "cuda_graph_max_batch_size": "CUDA: replay graphs for decode batches up to this size "
     "(default: --max-num-seqs, at most 512; 0: eager)",
     "async_scheduling": "CUDA graphs: launch each decode step before the previous one's tokens "

@@ -20,6 +20,7 @@ class SamplingLimits:
     max_n: int = 16
     max_logprobs: int = 20
     max_stop_strings: int = 16
+    max_stop_token_ids: int = 1024  # checked per sampled token: a bound on that work
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ class SamplingParams:
         if len(self.stop) > limits.max_stop_strings:
             raise ValidationError(
                 "stop", f"at most {limits.max_stop_strings} stop strings, got {len(self.stop)}"
+            )
+        if len(self.stop_token_ids) > limits.max_stop_token_ids:
+            raise ValidationError(
+                "stop_token_ids",
+                f"at most {limits.max_stop_token_ids} stop token ids, "
+                f"got {len(self.stop_token_ids)}",
             )
         if num_prompt_tokens + self.max_tokens > max_model_len:
             raise ValidationError(

@@ -25,10 +25,15 @@ logger = logging.getLogger(__name__)
 
 class KVEventPublisher:
     def __init__(
-        self, ctx: zmq.asyncio.Context, host: str, publisher_id: str, port: int = 0
+        self,
+        ctx: zmq.asyncio.Context,
+        host: str,
+        publisher_id: str,
+        port: int = 0,
+        advertise_host: str | None = None,
     ) -> None:
         self.publisher_id = publisher_id
-        self.sock, self.endpoint = bind(ctx, zmq.PUB, host, port)
+        self.sock, self.endpoint = bind(ctx, zmq.PUB, host, port, advertise_host)
         self.epoch = secrets.randbits(63) or 1  # this run's id in every batch; 0: none
         self.seq = 0
         self._held: set[bytes] = set()

@@ -58,8 +58,12 @@ class ServiceMain:
     def name(self) -> str:
         return self.package.rpartition(".")[2]
 
-    def build_parser(self) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog=f"python -m {self.package}", description=self.description)
+    def build_parser(self, prog: str | None = None) -> argparse.ArgumentParser:
+        """The service's command line; `prog` names it in usage (default `python -m <package>`,
+        `llmfleet <name>` when run from the `llmfleet` command)."""
+        p = argparse.ArgumentParser(
+            prog=prog or f"python -m {self.package}", description=self.description
+        )
         p.add_argument("--host", help="bind address (default 127.0.0.1)")
         p.add_argument("--port", type=int, help=self.port_help)
         p.add_argument("--metrics-port", type=int, help=self.metrics_port_help)
@@ -76,9 +80,9 @@ class ServiceMain:
         flags.pop("verbose", None)
         return self._configs(parser, flags)
 
-    def main(self, argv: Sequence[str] | None = None) -> int:
+    def main(self, argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         """Run the service; returns the exit status (a bad flag exits with 2 from argparse)."""
-        parser = self.build_parser()
+        parser = self.build_parser(prog)
         flags = vars(parser.parse_args(argv))
         logging.basicConfig(
             level=logging.DEBUG if flags.pop("verbose", False) else logging.INFO,

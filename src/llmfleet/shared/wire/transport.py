@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -127,18 +128,39 @@ async def recv_loop(
             logger.exception("%s: handler failed; message dropped", name)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*", "")
+
+
+def reachable_host(bind_host: str, advertise_host: str | None = None) -> str:
+    """The host peers use to reach a socket bound on `bind_host`: `advertise_host` when given
+    (a pod's IP under Kubernetes), else the bind host itself, unless it is a wildcard, which no
+    peer can connect to: then this machine's name's address (a pod's hostname resolves to its
+    IP)."""
+    if advertise_host:
+        return advertise_host
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    return socket.gethostbyname(socket.gethostname())
+
+
 def bind(
-    ctx: zmq.asyncio.Context, kind: int, host: str, port: int = 0
+    ctx: zmq.asyncio.Context,
+    kind: int,
+    host: str,
+    port: int = 0,
+    advertise_host: str | None = None,
 ) -> tuple[zmq.asyncio.Socket, str]:
-    """Bind a socket on host:port (0: a free port); returns it and its tcp:// endpoint.
+    """Bind a socket on host:port (0: a free port); returns it and the tcp:// endpoint peers
+    connect to (`reachable_host`).
 
     On a `CurveContext` the socket is a CURVE server admitting only the fleet's keys."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if isinstance(ctx, CurveContext):
         ctx.serve(sock)
+    reach = reachable_host(host, advertise_host)
     if port:
         sock.bind(f"tcp://{host}:{port}")
-        return sock, f"tcp://{host}:{port}"
+        return sock, f"tcp://{reach}:{port}"
     chosen = sock.bind_to_random_port(f"tcp://{host}")
-    return sock, f"tcp://{host}:{chosen}"
+    return sock, f"tcp://{reach}:{chosen}"
