@@ -253,6 +253,17 @@ def _threads(spec: FleetSpec, tmp_path) -> list[str | None]:
     ]
 
 
+def test_tensor_parallel_gpu_workers_get_gpus_of_their_own(tmp_path):
+    def devices(spec: FleetSpec) -> list[str]:
+        return [c.argv[c.argv.index("--device") + 1] for c in plan(spec, tmp_path)[2]]
+
+    tp2 = {"tensor_parallel_size": 2}
+    assert devices(FleetSpec(port=0, workers=2, device="cuda", engine=tp2)) == ["cuda:0", "cuda:2"]
+    split = FleetSpec(port=0, disaggregated=True, device="cuda:4", engine=tp2)
+    assert devices(split) == ["cuda:4", "cuda:6"]  # the prefill worker's ranks, the decode's
+    assert devices(FleetSpec(port=0, workers=2, device="cuda")) == ["cuda", "cuda"]  # shared
+
+
 def test_cpu_workers_split_the_cores_and_explicit_threads_stand(tmp_path, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert _threads(FleetSpec(port=0, workers=2), tmp_path) == ["4", "4"]
@@ -260,6 +271,11 @@ def test_cpu_workers_split_the_cores_and_explicit_threads_stand(tmp_path, monkey
     assert _threads(FleetSpec(port=0, workers=1), tmp_path) == [None]  # torch's default
     explicit = FleetSpec(port=0, workers=2, engine={"num_threads": 3})
     assert _threads(explicit, tmp_path) == ["3", "3"]
+    tp = FleetSpec(port=0, workers=2, engine={"tensor_parallel_size": 2})  # 4 rank processes
+    assert _threads(tp, tmp_path) == ["2", "2"]
+    assert _threads(FleetSpec(port=0, workers=1, engine={"tensor_parallel_size": 2}), tmp_path) == [
+        "4"
+    ]
     simulated = FleetSpec(port=0, workers=2, engine={"simulate": True})
     assert _threads(simulated, tmp_path) == [None, None]
     monkeypatch.setattr("os.cpu_count", lambda: 2)

@@ -132,6 +132,14 @@ def test_cli_prints_only_the_completion(llm):
     assert proc.stdout == expected.completions[0].text + "\n"
 
 
+def test_cli_offline_at_tp2_prints_the_tp1_completion(llm):
+    args = ("--max-tokens", "12", "What is the capital of France?")
+    proc = _cli("generate", "--offline", "--tensor-parallel-size", "2", *args)
+    assert proc.returncode == 0, proc.stderr
+    [expected] = llm.generate([args[-1]], SamplingParams(max_tokens=12, temperature=0.0), chat=True)
+    assert proc.stdout == expected.completions[0].text + "\n"
+
+
 def test_cli_rejects_bad_input_with_the_field_named():
     proc = _cli("generate", "--offline", "--temperature", "3", "hi")
     assert proc.returncode == 2

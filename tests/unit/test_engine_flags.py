@@ -33,6 +33,7 @@ SETTINGS = {
     "num_threads": 3,
     "cuda_graph_max_batch_size": 256,
     "async_scheduling": False,
+    "tensor_parallel_size": 2,
     "quantization": "fp8",
     "simulate": False,
     "sim_step_ms": 2.5,

@@ -208,7 +208,7 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         return Child(name, kind, f"{bind}:{port}", argv, log_dir / f"{name}.log", role)
 
     own = {f: getattr(spec, f) for f in _OWN_FIELDS}
-    engine = engine_argv(_share_cores({**own, **spec.engine}, len(roles)))
+    engine = _share_cores({**own, **spec.engine}, len(roles))
 
     first: list[Child] = []
     kv_args: list[str] = []
@@ -246,11 +246,12 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
 
     workers = []
     counts: dict[str, int] = collections.Counter()
-    for role in roles:
+    for i, role in enumerate(roles):
         name = f"{'worker' if role == 'unified' else role}-{counts[role]}"
         counts[role] += 1
         args = ["--role", role, "--worker-id", name, "--router", registry]
-        workers.append(make(name, "worker", next(ports), [*args, *kv_args, *engine], role))
+        args += [*kv_args, *engine_argv(_own_gpus(engine, i))]
+        workers.append(make(name, "worker", next(ports), args, role))
     gateways = []
     if spec.gateway:
         http = next(ports) if spec.http_port == 0 else spec.http_port
@@ -261,13 +262,25 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
     return [first, [router], workers, gateways]
 
 
+def _own_gpus(engine: dict[str, Any], index: int) -> dict[str, Any]:
+    """Worker `index`'s engine settings: a tensor-parallel CUDA worker of N ranks gets GPUs of
+    its own, cuda:(base + index * N) on (rank r on the r-th after it); others share the one."""
+    tp = engine.get("tensor_parallel_size") or 1
+    device = str(engine.get("device") or "cpu")
+    if tp < 2 or not device.startswith("cuda"):
+        return engine
+    base = int(device.partition(":")[2] or 0)
+    return {**engine, "device": f"cuda:{base + index * tp}"}
+
+
 def _share_cores(engine: dict[str, Any], num_workers: int) -> dict[str, Any]:
     """CPU workers split this machine's cores instead of each taking all of them: torch's
     default is one thread per core per process, and two such workers stepping at once
     oversubscribe the cores (spinning OpenMP threads preempt each other), several times slower
-    than one thread each. An explicit `num_threads` stands; GPU and simulated workers keep
-    theirs."""
+    than one thread each. Each rank of a tensor-parallel worker is such a process. An explicit
+    `num_threads` stands; GPU and simulated workers keep theirs."""
     on_cpu = not str(engine.get("device") or "cpu").startswith("cuda")
-    if num_workers < 2 or engine.get("num_threads") or engine.get("simulate") or not on_cpu:
+    processes = num_workers * (engine.get("tensor_parallel_size") or 1)
+    if processes < 2 or engine.get("num_threads") or engine.get("simulate") or not on_cpu:
         return engine
-    return {**engine, "num_threads": max(1, (os.cpu_count() or 1) // num_workers)}
+    return {**engine, "num_threads": max(1, (os.cpu_count() or 1) // processes)}

@@ -41,10 +41,10 @@ ENGINE_FLAGS = ("model", "device", "dtype", "quantization")
 def _client(args: argparse.Namespace):  # -> GenerationClient
     from llmfleet.client.generation import GenerationClient
 
-    for flag in ENGINE_FLAGS:
-        if getattr(args, flag) is not None:
+    for flag in (*ENGINE_FLAGS, "tensor_parallel_size"):
+        if getattr(args, flag, None) is not None:
             raise ValidationError(
-                f"--{flag}",
+                f"--{flag.replace('_', '-')}",
                 "applies with --offline only; a fleet's model is chosen by `llmfleet up`",
             )
     return GenerationClient(args.endpoint, api_key=args.api_key)
@@ -120,6 +120,7 @@ def _llm(args: argparse.Namespace):  # -> LLM
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
     )
     return LLM(config)
 

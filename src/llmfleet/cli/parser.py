@@ -44,6 +44,13 @@ def _mode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization", default=None, choices=["fp8"], help="--offline: FP8 weights (CUDA)"
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--offline: split the model over N ranks (processes; CUDA: cuda:0..N-1)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
 
 

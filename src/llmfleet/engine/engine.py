@@ -5,19 +5,18 @@
     while engine.has_unfinished():
         for out in engine.step():       # RequestOutput diffs: new tokens, finish reason
             ...
+    engine.close()                      # a tensor-parallel engine's other ranks exit
 
 `n > 1` fans out into n sequences (`rid#0`..; intake.py, with every check of a request); the
-others join once the first's full prompt blocks are cached, and share them.
-
-In token ids: the detokenizing caller (`LLM`, the fleet's router) calls `stop_request`.
+others join once the first's full prompt blocks are cached, and share them. In token ids: the
+detokenizing caller (`LLM`, the fleet's router) calls `stop_request`.
 
 Prefill-only requests (`add_request(prefill_only=True)`, for the worker's prefill side) leave
 the engine after their first token (output `finished` with `finish_reason` None unless the
 token ended the sequence) but keep their blocks pinned in `engine.kv` (kv_handoff.py), where
 the worker reads them, until released there or by `abort`. `start_decode` admits a request
-whose prompt KV was written into a reservation of `engine.kv`.
-
-Invariant: every path that ends a request, pin or reservation returns its blocks.
+whose prompt KV was written into a reservation of `engine.kv`. Invariant: every path that ends
+a request, pin or reservation returns its blocks.
 
 With `async_scheduling` a decode step may leave its tokens on the device; `step` returns them
 one call later (`engine.chain`, async_scheduling.py). `last_step_cost` and `last_step_work`
@@ -30,8 +29,6 @@ only through `engine.kv`.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
@@ -60,8 +57,6 @@ from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -135,6 +130,10 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config, load_for(config))
+
+    def close(self) -> None:
+        """Stop the ranks the forward pass runs on (tensor parallelism); no steps after it."""
+        self.runner.close()
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(

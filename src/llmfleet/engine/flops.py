@@ -210,11 +210,12 @@ def _module_bytes(modules: Iterable[nn.Module]) -> int:
 
 
 def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
-    """The shape of a `DecoderForCausalLM` (read from its modules, so it is what runs),
-    with the bytes per weight its projections, MLPs and experts are stored in."""
-    embed = getattr(model, "embed_tokens", None)
+    """The shape of a `DecoderForCausalLM` (read from its modules, so it is what runs: under
+    tensor parallelism this rank's shard), with the bytes per weight its projections, MLPs and
+    experts are stored in."""
+    embed = getattr(getattr(model, "embed_tokens", None), "weight", None)  # (vocab, hidden)
     layers = getattr(model, "layers", None)
-    if not isinstance(embed, nn.Embedding) or not isinstance(layers, nn.ModuleList) or not layers:
+    if not isinstance(embed, torch.Tensor) or not isinstance(layers, nn.ModuleList) or not layers:
         raise TypeError(f"{type(model).__name__} is not a decoder with embed_tokens and layers")
     attn = layers[0].self_attn
     if not isinstance(attn, Attention):
@@ -227,13 +228,13 @@ def model_shape(model: nn.Module, kv_bytes: int) -> ModelShape:
     proj = _module_bytes(m for a in attns for m in (a.qkv_proj, a.o_proj))
     shape = ModelShape(
         num_layers=len(layers),
-        hidden_size=embed.embedding_dim,
+        hidden_size=embed.shape[1],
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
-        vocab_size=embed.num_embeddings,
+        vocab_size=embed.shape[0],
         intermediate_size=dense[0].intermediate_size if dense else 0,
-        weight_bytes=embed.weight.element_size(),
+        weight_bytes=embed.element_size(),
         kv_bytes=kv_bytes,
         num_moe_layers=len(sparse),
         num_experts=sparse[0].num_experts if sparse else 0,

@@ -1,6 +1,8 @@
 """What runs a step's forward pass and samples from it: the model's weights (`ModelRunner`,
 `Sampler`; on CUDA with decode graphs captured) or a simulated model's step-time model
 (`SimulatedRunner`, `SimulatedSampler`), and loading the model an `EngineConfig` asks for.
+A tensor-parallel worker's rank 0 runs a `TPModelRunner`, which has the other ranks run each
+step with it.
 """
 
 from __future__ import annotations
@@ -11,21 +13,41 @@ from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.model_runner import ModelRunner
 from llmfleet.engine.sampler import Sampler
 from llmfleet.engine.simulated import SimulatedRunner, SimulatedSampler
+from llmfleet.engine.tp_ranks import Ranks, TPLoadedModel
+from llmfleet.engine.tp_runner import TPModelRunner
 from llmfleet.models.loader import LoadedModel, load_model, load_simulated
+from llmfleet.models.parallel import TensorParallel
 from llmfleet.models.simulated import SimulatedModel, StepTime
 from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.errors import ValidationError
 
 
 def load_for(config: EngineConfig) -> LoadedModel:
     """The model `config` asks for: its checkpoint's weights, or (`simulate`) its simulated
-    model."""
+    model. With `tensor_parallel_size` > 1 this process is rank 0: it starts the other ranks
+    (tp_ranks.py), which load their shards meanwhile, and returns its own shard with them."""
     if config.simulate:
         return load_simulated(config.model, dtype=config.torch_dtype)
+    if config.tensor_parallel_size == 1:
+        return load_shard(config, None)
+    ranks = Ranks(config)
+    try:
+        loaded = load_shard(config, ranks.tp)
+    except BaseException:
+        ranks.pending = True  # the followers may be loading: kill them
+        ranks.close()
+        raise
+    return TPLoadedModel(loaded.model, loaded.spec, loaded.tokenizer, ranks)
+
+
+def load_shard(config: EngineConfig, tp: TensorParallel | None) -> LoadedModel:
+    """Rank `tp.rank`'s shard of the checkpoint's model (None: all of it)."""
     return load_model(
         config.model,
         dtype=config.torch_dtype,
         device=config.device,
         quantization=config.quantization,
+        tp=tp,
     )
 
 
@@ -44,6 +66,24 @@ def forward_pass(
         )
         runner = SimulatedRunner(loaded.spec, block_manager, step_time, device=device)
         return runner, SimulatedSampler(loaded.model)
+    if isinstance(loaded, TPLoadedModel):
+        try:
+            runner: ModelRunner = TPModelRunner(
+                loaded.model,
+                loaded.spec,
+                block_manager,
+                loaded.ranks,
+                dtype=config.torch_dtype,
+                device=device,
+            )
+        except BaseException:
+            loaded.ranks.close()  # (killed if they were sent an op it did not finish)
+            raise
+        return runner, Sampler()  # eager steps only (tp_runner.py)
+    if config.tensor_parallel_size > 1:
+        raise ValidationError(
+            "tensor_parallel_size", "needs a model loaded by load_for (the ranks' shards)"
+        )
     runner = ModelRunner(
         loaded.model, loaded.spec, block_manager, dtype=config.torch_dtype, device=device
     )

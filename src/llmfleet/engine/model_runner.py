@@ -32,6 +32,21 @@ def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> 
 
 
 @dataclass
+class StepInputs:
+    """An eager step's batch as flat lists: sequence i brings query_lens[i] new tokens (laid
+    end to end in input_ids / positions) and ends at seq_lens[i]; only the tokens at flat
+    indices `sample_tokens` go through the LM head. A tensor-parallel rank 0 sends exactly
+    this to the other ranks (tp_step.py)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_tokens: list[int]
+
+
+@dataclass
 class StepOutput:
     # (num_sampling_rows, vocab) float32; after a graph replay a view of the graphs' static
     # buffer, valid until the next step
@@ -129,21 +144,26 @@ class ModelRunner:
         queued later, into pinned memory: the engine never waits for it. The caller keeps the
         blocks from being rewritten until the read is done (they are held, or pinned)."""
         if self.device.type != "cuda":
-            return BlockRead(self._gather(block_ids).contiguous(), None)
+            return BlockRead(self._payload(block_ids).contiguous(), None)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         written = torch.cuda.Event()
         written.record()
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(written)
-            staged = self._gather(block_ids).contiguous()
+            staged = self._payload(block_ids).contiguous()
             host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
             host.copy_(staged, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         return BlockRead(host, done)
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+    def _payload(self, block_ids: list[int]) -> torch.Tensor:
+        """What `start_read` copies to the host: (nb, L, 2, bs, H, D) on the device."""
+        return self.cache_blocks(block_ids)
+
+    def cache_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's cache of the blocks: (nb, L, 2, bs, H, D) on the device."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         per_layer = [kv.index_select(1, idx) for kv in self.kv_caches]  # L x (2, nb, bs, H, D)
         return torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5)  # (nb, L, 2, bs, H, D)
@@ -151,11 +171,19 @@ class ModelRunner:
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
         """Copy a payload (nb, L, 2, bs, H, D) into cache blocks `block_ids`, in order."""
+        self.check_payload(block_ids, payload)
+        self.write_cache(block_ids, payload)
+
+    def check_payload(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """ValueError unless `payload` is (len(block_ids), *block_shape)."""
         if payload.shape[0] != len(block_ids) or tuple(payload.shape[1:]) != self.block_shape:
             raise ValueError(
                 f"payload shape {tuple(payload.shape)} does not match "
                 f"({len(block_ids)}, {', '.join(map(str, self.block_shape))})"
             )
+
+    def write_cache(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Copy (nb, L, 2, bs, H, D) into this rank's cache blocks (H: its own heads)."""
         if not block_ids:
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -172,42 +200,45 @@ class ModelRunner:
         kv = self.kv_caches[0]
         return (len(self.kv_caches), 2, kv.shape[2], kv.shape[3], kv.shape[4])
 
+    def close(self) -> None:
+        """Release what the runner holds beyond its tensors (tensor parallelism: its ranks)."""
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         if self.decode_graphs is not None and all(s.num_new_tokens == 1 for s in sched.scheduled):
             step = self._replay_decode(sched, self.decode_graphs)
             if step is not None:
                 return step
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_tokens: list[int] = []  # flat index of each sampled row's last token
+        batch = StepInputs([], [], [], [], [], [])
         sampling_rows: list[int] = []
         for j, s in enumerate(sched.scheduled):
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(self.bm.block_ids(req.request_id))
+            batch.input_ids.extend(req.all_token_ids[start : start + n])
+            batch.positions.extend(range(start, start + n))
+            batch.query_lens.append(n)
+            batch.seq_lens.append(start + n)
+            batch.block_tables.append(self.bm.block_ids(req.request_id))
             if s.samples:
-                sample_tokens.append(len(input_ids) - 1)
+                batch.sample_tokens.append(len(batch.input_ids) - 1)
                 sampling_rows.append(j)
+        return StepOutput(self.run(batch), sampling_rows)
+
+    @torch.inference_mode()
+    def run(self, batch: StepInputs) -> torch.Tensor:
+        """The forward pass of `batch` and its (len(sample_tokens), vocab) float32 logits."""
         meta = AttentionMetadata.build(
-            query_lens, seq_lens, tables, self.bm.block_size, device=self.device
+            batch.query_lens, batch.seq_lens, batch.block_tables, self.bm.block_size, self.device
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids_t = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
+        sample_tokens = batch.sample_tokens
         if not sample_tokens:
-            return StepOutput(hidden.new_empty((0, self.spec.vocab_size)), [])
+            return hidden.new_empty((0, self.spec.vocab_size))
         if len(sample_tokens) != hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_tokens, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32
-        return StepOutput(logits, sampling_rows)
+        return self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32
 
     def _replay_decode(self, sched: SchedulerOutput, graphs: PaddedDecoder) -> StepOutput | None:
         """A pure-decode step through a captured graph; None when the batch does not fit."""

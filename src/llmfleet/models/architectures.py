@@ -38,6 +38,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
             config.num_local_experts,
             config.num_experts_per_tok,
             renormalize=True,
+            tp=self.tp,
         )
 
 
@@ -58,8 +59,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 num_experts,
                 config.num_experts_per_tok,
                 renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                tp=self.tp,
             )
-        return MLP(config.hidden_size, config.intermediate_size)
+        return MLP(config.hidden_size, config.intermediate_size, tp=self.tp)
 
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {

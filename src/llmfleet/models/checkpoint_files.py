@@ -10,8 +10,8 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from llmfleet.shared.core.errors import ModelLoadError
@@ -75,9 +75,11 @@ def safetensors_names(files: list[Path]) -> list[str]:
     return names
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) from safetensors files, one tensor in memory at a time."""
+def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Stream (name, tensor) from safetensors files, one tensor in memory at a time. `lazy`:
+    yield each tensor's safetensors slice instead, read by indexing it (`slice[a:b, :]` reads
+    just those rows), valid until the next item is requested."""
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)

@@ -12,6 +12,12 @@ Parameter tree (HF names map onto it in `load_weights`):
     layers.{i}.mlp.{gate,w13,w2}           sparse: router + stacked experts (see moe.py)
     norm.weight
     lm_head.weight                         absent when embeddings are tied
+
+Under tensor parallelism (`tp`, parallel.py) each rank holds its part of these: the vocabulary
+rows `vocab_range` of embed_tokens / lm_head, its heads' rows of qkv_proj (rows [q | k | v] of
+its own heads) and columns of o_proj, its intermediate rows of gate_up_proj / w13 and columns
+of down_proj / w2; norms, rotary and MoE routers are whole on every rank. `weight_shard` says
+which part of an HF tensor a rank loads, `param_shard` which part of a full parameter.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ from llmfleet.models.layers import (
     Attention,
     Linear,
     RMSNorm,
+    VocabParallelEmbedding,
     linear,
     load_shard,
 )
 from llmfleet.models.moe import SparseMoE
+from llmfleet.models.parallel import SINGLE, Shard, TensorParallel, split_evenly, take_shard
 from llmfleet.models.rotary import (
     RotaryEmbedding,
     RotaryPositions,
@@ -89,6 +97,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def _scaled(r: range, n: int) -> range:
+    return range(r.start * n, r.stop * n)
+
+
+def _shifted(r: range, n: int) -> range:
+    return range(r.start + n, r.stop + n)
+
+
 def kv_geometry(config: Any) -> tuple[int, int]:
     """(num_kv_heads, head_dim) of an HF decoder config."""
     num_heads = config.num_attention_heads
@@ -102,9 +118,15 @@ class DecoderForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        backend: AttentionBackend | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.backend = backend if backend is not None else TorchReferenceBackend()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -115,7 +137,15 @@ class DecoderForCausalLM(CausalLM):
         params = rope_parameters(config)
         rotary_dim = int(self.head_dim * float(params.get("partial_rotary_factor", 1.0)))
 
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        vocab = int(config.vocab_size)
+        if vocab < tp.size:
+            raise ValueError(f"a vocabulary of {vocab} cannot be split over {tp.size} ranks")
+        self.vocab_range = split_evenly(vocab, tp.size, tp.rank)
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(vocab, hidden)
+            if tp.size == 1
+            else VocabParallelEmbedding(self.vocab_range, hidden, tp)
+        )
         self.rotary_emb = RotaryEmbedding(rotary_dim, config.max_position_embeddings, params)
         self.layers = nn.ModuleList()
         for i in range(config.num_hidden_layers):
@@ -128,15 +158,17 @@ class DecoderForCausalLM(CausalLM):
                 qkv_bias=self.qkv_bias or bool(getattr(config, "attention_bias", False)),
                 o_bias=bool(getattr(config, "attention_bias", False)),
                 qk_norm_eps=eps if self.qk_norm else None,
+                tp=tp,
             )
             self.layers.append(DecoderLayer(attn, self.make_mlp(config, i), hidden, eps))
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = (
-            None if self.tie_word_embeddings else Linear(hidden, config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else Linear(hidden, len(self.vocab_range), bias=False)
         )
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
-        return MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        bias = getattr(config, "mlp_bias", False)
+        return MLP(config.hidden_size, config.intermediate_size, bias, tp=self.tp)
 
     def forward(
         self,
@@ -159,11 +191,34 @@ class DecoderForCausalLM(CausalLM):
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # (N, hidden) -> (N, V) float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp.size > 1:
+            return self._gathered_logits(hidden, weight, out)
         if out is None and hidden.dtype == torch.float32:
             return linear(hidden, weight)
         if out is None:
             out = hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32)
         return linear(hidden, weight, out=out)  # decode sizes: written by the GEMV / GEMM
+
+    def _gathered_logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:  # (N, hidden) -> (N, V) float32 on every rank
+        n, vocab, size = hidden.shape[0], int(self.config.vocab_size), self.tp.size
+        if hidden.dtype == torch.float32:
+            local = linear(hidden, weight)  # (N, V_rank)
+        else:
+            local = linear(
+                hidden, weight, out=hidden.new_empty((n, weight.shape[0]), dtype=torch.float32)
+            )
+        width = -(-vocab // size)  # all_gather needs one shape: pad each rank's columns to it
+        if local.shape[1] < width:
+            local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
+        full = self.tp.all_gather(local, dim=1)  # (N, size * width)
+        if width * size != vocab:
+            parts = [split_evenly(vocab, size, r) for r in range(size)]
+            full = torch.cat(
+                [full[:, r * width : r * width + len(p)] for r, p in enumerate(parts)], 1
+            )
+        return full if out is None else out.copy_(full)
 
     # ---- weight loading -------------------------------------------------------------------
 
@@ -202,17 +257,83 @@ class DecoderForCausalLM(CausalLM):
                 return f"{prefix}mlp.gate.weight", None, 0
         return name, None, 0
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def weight_shard(self, name: str) -> Shard | None:
+        """The part of HF tensor `name` (HF layout, (out, in) weights) that this rank loads;
+        None: all of it (always so at tensor-parallel size 1)."""
+        if self.tp.size == 1:
+            return None
+        name = name.removeprefix("model.")
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return 0, (self.vocab_range,)
+        m = _LAYER.match(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            return None
+        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        attn, mlp = layer.self_attn, layer.mlp
+        if m2 := _QKV.match(rest):
+            heads = attn.q_heads if m2.group(1) == "q_proj" else attn.kv_heads
+            return 0, (_scaled(heads, attn.head_dim),)
+        if rest == "self_attn.o_proj.weight":
+            return 1, (_scaled(attn.q_heads, attn.head_dim),)
+        if isinstance(mlp, MLP) and _GATE_UP.match(rest):
+            return 0, (mlp.intermediate_range,)
+        if isinstance(mlp, MLP) and rest == "mlp.down_proj.weight":
+            return 1, (mlp.intermediate_range,)
+        if isinstance(mlp, SparseMoE):
+            inter = mlp.intermediate_range
+            if m2 := _EXPERT.match(rest):
+                return (1, (inter,)) if m2.group(2) in ("down_proj", "w2") else (0, (inter,))
+            if m2 := _STACKED.match(rest):  # (E, 2I, hidden) [gate | up] or (E, hidden, I)
+                if m2.group(1) == "down_proj":
+                    return 2, (inter,)
+                return 1, (inter, _shifted(inter, mlp.full_intermediate_size))
+        return None
+
+    def param_shard(self, name: str) -> Shard | None:
+        """The part of our full (unsplit) parameter `name` that this rank holds; None: all."""
+        if self.tp.size == 1:
+            return None
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return 0, (self.vocab_range,)
+        m = _LAYER.match(name)
+        if m is None:
+            return None
+        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        attn, mlp = layer.self_attn, layer.mlp
+        if rest.startswith("self_attn.qkv_proj."):  # rows [q | k | v] of all heads
+            d = attn.head_dim
+            q_size, kv_size = attn.total_num_heads * d, attn.total_num_kv_heads * d
+            kv = _scaled(attn.kv_heads, d)
+            return 0, (
+                _scaled(attn.q_heads, d),
+                _shifted(kv, q_size),
+                _shifted(kv, q_size + kv_size),
+            )
+        if rest == "self_attn.o_proj.weight":
+            return 1, (_scaled(attn.q_heads, attn.head_dim),)
+        if rest.startswith("mlp.gate_up_proj.") or rest == "mlp.w13":
+            inter = mlp.intermediate_range
+            return int(rest == "mlp.w13"), (inter, _shifted(inter, mlp.full_intermediate_size))
+        if rest == "mlp.down_proj.weight":
+            return 1, (mlp.intermediate_range,)
+        if rest == "mlp.w2":
+            return 2, (mlp.intermediate_range,)
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load HF-named tensors (see CausalLM). Under tensor parallelism a tensor may also be
+        a lazy safetensors slice: only this rank's part (`weight_shard`) is read."""
         params = dict(self.named_parameters())
         numel_loaded = dict.fromkeys(params, 0)
-        for hf_name, tensor in weights:
+        for hf_name, item in weights:
             route = self.weight_target(hf_name)
             if route is None:
                 continue
             name, expert, offset = route
-            if isinstance(tensor, PackedInt4):  # into an Int4Linear, still packed
-                self._load_packed(hf_name, name, tensor, offset)
+            if isinstance(item, PackedInt4):  # into an Int4Linear, still packed
+                self._load_packed(hf_name, name, item, offset)
                 continue
+            tensor = take_shard(item, self.weight_shard(hf_name))
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} matches no model parameter")

@@ -3,6 +3,11 @@
 Projections that are applied to the same input are fused into one weight (q/k/v into
 `qkv_proj`, gate/up into `gate_up_proj`); the HF checkpoint tensors are copied into row slices
 of the fused weight by `load_shard`. Activations are flattened token-major: (T, hidden).
+
+Tensor parallelism (parallel.py): given a `tp` of size > 1, attention keeps this rank's query
+and KV heads and the MLP its slice of the intermediate size (column-parallel qkv / gate_up);
+o_proj and down_proj are `RowParallelLinear` (partial sums, all-reduced, bias added once).
+At size 1 the modules are exactly the unsplit ones.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 
 from llmfleet.models.attention.backend import AttentionBackend
 from llmfleet.models.attention.metadata import AttentionMetadata
+from llmfleet.models.parallel import SINGLE, TensorParallel, kv_head_partition, split_evenly
 from llmfleet.models.rotary import RotaryPositions
 
 
@@ -107,6 +113,43 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """A linear layer whose input features are split across the ranks of `tp`: each rank
+    multiplies its columns of the weight, the partial outputs are summed over the group, then
+    the (full, replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> Linear:
+    """`Linear` at size 1, else the `RowParallelLinear` of this rank's `in_features`."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows `vocab` of the embedding table: ids outside them embed to zeros and
+    the sum over the group gives every rank the full embedding."""
+
+    def __init__(self, vocab: range, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab, self.tp = vocab, tp
+        self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        local = ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
 def rowwise_linear(
     x: torch.Tensor,  # (..., in_features)
     out_features: int,
@@ -138,13 +181,22 @@ def load_shard(param: torch.Tensor, weight: torch.Tensor, offset: int = 0) -> No
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Dense SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Under `tp` this rank holds the
+    intermediate features `intermediate_range` (`intermediate_size` of them)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_range = split_evenly(intermediate_size, tp.size, tp.rank)
+        self.intermediate_size = inter = len(self.intermediate_range)
+        self.gate_up_proj = Linear(hidden_size, 2 * inter, bias=bias)
+        self.down_proj = row_linear(inter, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         gate_up = self.gate_up_proj
@@ -159,7 +211,10 @@ class MLP(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention of one layer: fused qkv projection, optional per-head q/k RMSNorm
-    (Qwen3), rotary, the paged attention backend, output projection."""
+    (Qwen3), rotary, the paged attention backend, output projection.
+
+    Under `tp` this rank holds the query heads `q_heads` and KV heads `kv_heads` of
+    `kv_head_partition` (global indices); `num_heads` / `num_kv_heads` count its own."""
 
     def __init__(
         self,
@@ -172,17 +227,19 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} query heads not divisible by {num_kv_heads} KV heads")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.kv_heads, self.q_heads = kv_head_partition(num_kv_heads, num_heads, tp.size)[tp.rank]
+        self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
+        self.o_proj = row_linear(self.q_size, hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 

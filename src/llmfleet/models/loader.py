@@ -38,6 +38,7 @@ from llmfleet.models.int4_checkpoint import Int4CheckpointFormat, checkpoint_for
 from llmfleet.models.int4_linear import use_int4_linears
 from llmfleet.models.int4_loading import int4_checkpoint_weights, int4_packed_weights, keeps_int4
 from llmfleet.models.layers import RMSNorm
+from llmfleet.models.parallel import SINGLE, TensorParallel, kv_head_partition, take_shard
 from llmfleet.models.rotary import RotaryEmbedding
 from llmfleet.models.simulated import SimulatedModel
 from llmfleet.models.tokenizer import (
@@ -47,7 +48,7 @@ from llmfleet.models.tokenizer import (
     eos_token_ids,
     gguf_tokenizer,
 )
-from llmfleet.shared.core.errors import ModelLoadError
+from llmfleet.shared.core.errors import ModelLoadError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,11 @@ logger = logging.getLogger(__name__)
 class ModelSpec:
     """A loaded checkpoint's facts that the engine sizes itself by: identity, vocabulary, the
     checkpoint's context length, KV dimensions and the dtype it was loaded in. (What the API
-    reports of a served model is `shared.core.model_info.ModelInfo`.)"""
+    reports of a served model is `shared.core.model_info.ModelInfo`.)
+
+    Under tensor parallelism the KV fields describe this rank's cache: `num_kv_heads` of the
+    model's `total_num_kv_heads` (0: all of them), the first being global head
+    `kv_head_start`."""
 
     model_id: str
     architecture: str
@@ -69,6 +74,8 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    total_num_kv_heads: int = 0
+    kv_head_start: int = 0
 
 
 @dataclass
@@ -90,7 +97,9 @@ class Checkpoint:
     bos_token_id: int | None
     gguf: GGUFFile | None = None  # the open GGUF file, for its tensors
 
-    def spec(self, dtype: torch.dtype, architecture: str) -> ModelSpec:
+    def spec(
+        self, dtype: torch.dtype, architecture: str, tp: TensorParallel | None = None
+    ) -> ModelSpec:
         return model_spec(
             self.config,
             self.model_id,
@@ -98,6 +107,7 @@ class Checkpoint:
             architecture,
             eos_token_ids=self.eos_token_ids,
             bos_token_id=self.bos_token_id,
+            tp=tp,
         )
 
 
@@ -142,11 +152,13 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
+    tp: TensorParallel | None = None,
 ) -> DecoderForCausalLM:
-    """An empty (uninitialized) model of `config` in `dtype` on `device`."""
+    """An empty (uninitialized) model of `config` in `dtype` on `device`: rank `tp.rank`'s
+    shard under tensor parallelism."""
     cls = model_class(config)
     with torch.device("meta"):
-        model = cls(config, backend)
+        model = cls(config, backend, tp or SINGLE)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -162,21 +174,27 @@ def model_spec(
     *,
     eos_token_ids: tuple[int, ...] = (),
     bos_token_id: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> ModelSpec:
-    """The spec of a model of `config` (the KV geometry as the decoder derives it)."""
-    num_kv_heads, head_dim = kv_geometry(config)
+    """The spec of a model of `config` (the KV geometry as the decoder derives it), of rank
+    `tp.rank`'s KV heads under tensor parallelism."""
+    total_kv_heads, head_dim = kv_geometry(config)
+    tp = tp or SINGLE
+    kv_heads, _ = kv_head_partition(total_kv_heads, config.num_attention_heads, tp.size)[tp.rank]
     return ModelSpec(
         model_id=model_id,
         architecture=architecture,
         vocab_size=int(config.vocab_size),
         max_model_len=int(config.max_position_embeddings),
         num_layers=int(config.num_hidden_layers),
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=len(kv_heads),
         head_dim=head_dim,
         hidden_size=int(config.hidden_size),
         eos_token_ids=eos_token_ids,
         bos_token_id=bos_token_id,
         dtype=dtype,
+        total_num_kv_heads=total_kv_heads,
+        kv_head_start=kv_heads.start,
     )
 
 
@@ -188,20 +206,35 @@ def random_model(
     seed: int = 0,
     model_id: str = "random",
     std: float = 0.02,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """A model of `config` with random weights made directly on `device`: no checkpoint and no
     tokenizer (token ids only; the engine needs none). Weights are N(0, `std`) and RMSNorm
     scales 1, drawn from a generator seeded with `seed`, so a seed gives the same weights on
-    every call on the same device. For benchmarks and tests of real shapes."""
-    model = build_model(config, dtype=dtype, device=device, backend=select_backend(device))
+    every call on the same device. For benchmarks and tests of real shapes.
+
+    Under tensor parallelism `tp` each full parameter is drawn as at size 1 (one at a time)
+    and this rank keeps its shard: the ranks together hold the size-1 model's weights."""
+    tp = tp or SINGLE
+    model = build_model(config, dtype=dtype, device=device, backend=select_backend(device), tp=tp)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, std, generator=gen)
+        if tp.size == 1:
+            for p in model.parameters():
+                p.normal_(0.0, std, generator=gen)
+        else:
+            with torch.device("meta"):
+                full = model_class(config)(config)
+            params = dict(model.named_parameters())
+            for name, p in full.named_parameters():
+                t = torch.empty(p.shape, dtype=dtype, device=device).normal_(
+                    0.0, std, generator=gen
+                )
+                params[name].copy_(take_shard(t, model.param_shard(name)))
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-    spec = model_spec(config, model_id, dtype, type(model).__name__)
+    spec = model_spec(config, model_id, dtype, type(model).__name__, tp=tp)
     return LoadedModel(model=model, spec=spec, tokenizer=None)
 
 
@@ -225,15 +258,28 @@ def load_model(
     progress: bool = True,
     int4_weights: bool | None = None,
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer. `path` None loads the bundled SmolLM2-135M-Instruct.
 
     `int4_weights`: keep GGUF Q4_0/Q4_1 linear weights packed (Int4Linear) instead of
     dequantizing them; None means `keeps_int4(device, dtype)`.
     `quantization` "fp8": after loading, the decoder projections are quantized to FP8
-    (fp8_linear.py); needs CUDA sm_89+ and a 16-bit `dtype` (ValidationError otherwise)."""
+    (fp8_linear.py); needs CUDA sm_89+ and a 16-bit `dtype` (ValidationError otherwise).
+    `tp`: load rank `tp.rank`'s shard (decoder.py); safetensors are read only in that part,
+    GGUF and AWQ/GPTQ tensors are dequantized whole, then cut. Packed INT4 and FP8 layers
+    are single-device only (ValidationError with `tp.size` > 1)."""
     start = time.perf_counter()
+    tp = tp or SINGLE
     check_quantization(quantization, device, dtype)  # before reading anything
+    if tp.size > 1 and quantization is not None:
+        raise ValidationError(
+            "quantization", f"{quantization} is not supported with tensor parallelism"
+        )
+    if tp.size > 1 and int4_weights:
+        raise ValidationError(
+            "int4_weights", "packed INT4 weights are not supported with tensor parallelism"
+        )
     ckpt = open_checkpoint(path)
     config, resolved, gf = ckpt.config, ckpt.path, ckpt.gguf
     int4_format: Int4CheckpointFormat | None = None
@@ -243,7 +289,9 @@ def load_model(
         files = safetensors_files(resolved)
         names = safetensors_names(files)
         total = len(names)
-        weights: Iterable[tuple[str, Any]] = iter_safetensors(files)
+        # Lazy slices under tensor parallelism: load_weights reads the rank's part only.
+        lazy = tp.size > 1 and int4_format is None
+        weights: Iterable[tuple[str, Any]] = iter_safetensors(files, lazy=lazy)
     else:
         total = len(gf.reader.tensors)
         weights = gf.tensors(config)
@@ -260,8 +308,9 @@ def load_model(
     )
     if backend is None:
         backend = select_backend(device)
-    model = build_model(config, dtype=dtype, device=device, backend=backend)
+    model = build_model(config, dtype=dtype, device=device, backend=backend, tp=tp)
     keep_int4 = keeps_int4(device, dtype) if int4_weights is None else int4_weights
+    keep_int4 = keep_int4 and tp.size == 1
     if gf is not None and keep_int4:
         targets, hf_names = int4_packed_weights(gf, model)
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
@@ -274,7 +323,7 @@ def load_model(
     if quantization == "fp8":
         use_fp8_linears(model)
 
-    spec = ckpt.spec(dtype, type(model).__name__)
+    spec = ckpt.spec(dtype, type(model).__name__, tp)
     logger.log(
         logging.INFO if progress else logging.DEBUG,
         "loaded %s in %.1f s",

@@ -7,6 +7,10 @@ Expert weights are stacked so that one fused-MoE kernel can replace `fused_moe_r
 
 Paths: CPU `fused_moe_reference`; CUDA half precision the Triton routing + fused MoE kernels
 (kernels/fused_moe.py); CUDA float32 `fused_moe_dense`.
+
+Tensor parallelism: every rank holds every expert, each expert's intermediate dimension split
+like the dense MLP's (its rows of w13's gate and up halves, its columns of w2); the router is
+replicated, so every rank routes alike, and the partial outputs are summed over the group.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 
 from llmfleet.models.layers import silu_and_mul
+from llmfleet.models.parallel import SINGLE, TensorParallel, split_evenly
 
 
 def route_topk(
@@ -89,7 +94,9 @@ def fused_moe_dense(
 
 
 class SparseMoE(nn.Module):
-    """Router + stacked experts. `renormalize` is True for Mixtral, `norm_topk_prob` for Qwen3."""
+    """Router + stacked experts. `renormalize` is True for Mixtral, `norm_topk_prob` for Qwen3.
+    Under `tp` this rank holds each expert's intermediate features `intermediate_range`
+    (`intermediate_size` of them)."""
 
     def __init__(
         self,
@@ -98,15 +105,23 @@ class SparseMoE(nn.Module):
         num_experts: int,
         top_k: int,
         renormalize: bool,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_size = intermediate_size
+        self.tp = tp
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_range = split_evenly(intermediate_size, tp.size, tp.rank)
+        self.intermediate_size = inter = len(self.intermediate_range)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        out = self._experts(x)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:  # this rank's partial sum
         # On CUDA both paths are free of host syncs, so decode steps can run in CUDA graphs.
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
             from llmfleet.kernels.fused_moe import fused_moe  # Triton: only needed on GPUs

@@ -143,7 +143,8 @@ class EngineLoop:
 
     async def stop(self) -> None:
         """Stop looping (a step in flight finishes on its thread; nothing runs after it), then
-        hand the iterations already done to `on_iteration`."""
+        hand the iterations already done to `on_iteration` and close the engine (the other
+        ranks of a tensor-parallel engine exit)."""
         self._stopping = True
         self._wake.set()
         if self._done is not None:
@@ -154,6 +155,7 @@ class EngineLoop:
             await asyncio.wait([self._deliver], timeout=_STOP_WAIT_S)
             await cancel_and_wait(self._deliver)
             self._deliver = None
+        await asyncio.wait([self.thread.submit(self.engine.close)], timeout=_STOP_WAIT_S)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` between steps and return its result (or raise its error).

@@ -4,6 +4,7 @@ dataclass validated on construction; `config.from_env` reads it from `LLMFLEET_<
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,10 @@ class EngineConfig:
     # device, before reading them back, so the host's work hides under the GPU's
     # (engine/async_scheduling.py).
     async_scheduling: bool = True
+    # Ranks this worker's model is split over (tensor parallelism): rank 0 runs the engine, the
+    # others (processes it starts on this machine, device cuda:rank on CUDA) run every step's
+    # forward pass with it (engine/tp_runner.py).
+    tensor_parallel_size: int = 1
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
     quantization: str | None = None
@@ -96,6 +101,12 @@ class EngineConfig:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
         if self.max_n < 1 or self.max_logprobs < 0:
             raise ValidationError("max_n", "max_n must be >= 1 and max_logprobs >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValidationError(
+                "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.simulate and self.tensor_parallel_size > 1:
+            raise ValidationError("tensor_parallel_size", "a simulated model runs on one rank")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 0:
             raise ValidationError(
                 "cuda_graph_max_batch_size",
@@ -104,12 +115,17 @@ class EngineConfig:
 
     def resolved(self) -> EngineConfig:
         """This config with its device's defaults for the sizes left unset (`kv_cache_bytes`
-        stays: the engine sizes it once the weights are loaded)."""
+        stays: the engine sizes it once the weights are loaded). CPU ranks of a tensor-parallel
+        worker split the cores unless `num_threads` is set."""
         gpu = self.device.startswith("cuda") and not self.simulate
         seqs = self.max_num_seqs or (256 if gpu else 64)
         graphs = self.cuda_graph_max_batch_size
+        threads = self.num_threads
+        if threads is None and not gpu and self.tensor_parallel_size > 1:
+            threads = max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
         return dataclasses.replace(
             self,
+            num_threads=threads,
             max_num_seqs=seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 2048),
             cuda_graph_max_batch_size=min(seqs, 512) if graphs is None else graphs,

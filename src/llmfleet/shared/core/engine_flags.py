@@ -41,6 +41,8 @@ HELP = {
     "(default: --max-num-seqs, at most 512; 0: eager)",
     "async_scheduling": "CUDA graphs: launch each decode step before the previous one's tokens "
     "are read back (default on)",
+    "tensor_parallel_size": "split the model over N ranks (processes this worker starts on "
+    "this machine; CUDA: devices cuda:0..N-1) (default 1)",
     "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
     "16-bit dtype)",
     "simulate": "run a simulated model: the checkpoint's tokenizer, a step-time model for its "

@@ -1,0 +1,158 @@
+"""Starting and stopping a tensor-parallel worker's ranks, from rank 0 (the engine's process).
+
+    ranks = Ranks(config)      # starts ranks 1..N-1 (`python -m llmfleet.engine.tp_follower`)
+                               # and joins them in one process group: gloo on the CPU, NCCL on
+                               # CUDA (rank r on cuda:r, counted from the configured device)
+    load this rank's shard with `ranks.tp`; the engine's TPModelRunner drives the followers
+    ranks.close()              # SHUTDOWN; a follower that does not exit is killed
+
+Rendezvous: rank 0 hosts a TCPStore on a free 127.0.0.1 port; each follower connects and says
+it is there before all join the group. Meanwhile rank 0 watches the followers: one that exits
+fails the start at once, not after a timeout.
+
+Failures: a follower that died fails rank 0's next op (`check`) or the op in progress (gloo:
+its connection closes), so the worker's forward pass fails loudly. Followers exit when rank 0
+does: their op fails the same way, and each also watches its parent process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from llmfleet.engine.tp_step import SHUTDOWN, StepChannel
+from llmfleet.models.loader import LoadedModel
+from llmfleet.models.parallel import TensorParallel
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.errors import LLMFleetError
+
+logger = logging.getLogger(__name__)
+
+# Followers wait in a broadcast for rank 0's next op for as long as the worker is idle.
+GROUP_TIMEOUT = timedelta(days=365)
+JOIN_TIMEOUT_S = 300.0  # followers start (import torch) and reach the store within this
+
+
+class RankFailed(LLMFleetError):
+    """A tensor-parallel rank exited or could not join its group."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s device: the CPU, or the CUDA device `rank` after the configured one."""
+    if not device.startswith("cuda"):
+        return device
+    _, _, index = device.partition(":")
+    return f"cuda:{int(index or 0) + rank}"
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def join_group(store: dist.Store, rank: int, size: int, device: str) -> TensorParallel:
+    """Join the ranks' process group (every rank calls it) and return this rank's place."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(
+        backend_for(device), store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT
+    )
+    return TensorParallel(rank=rank, size=size, group=None)  # None: the default group
+
+
+class Ranks:
+    """Rank 0's handle on the other ranks of its group (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise RankFailed("this process already runs a tensor-parallel group: close it first")
+        store = dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
+        )
+        argv = [sys.executable, "-m", "llmfleet.engine.tp_follower"]
+        argv += ["--size", str(size), "--port", str(store.port), "--parent", str(os.getpid())]
+        argv += ["--config", json.dumps(dataclasses.asdict(config))]
+        self.procs = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(1, size)]
+        self._closed = False
+        # An op was sent and rank 0's part of it has not finished (`done`): after a failure
+        # the followers may be inside it, so `close` kills them instead of sending SHUTDOWN.
+        self.pending = False
+        try:
+            self._wait_joined(store, size)
+            self.tp = join_group(store, 0, size, rank_device(config.device, 0))
+        except BaseException:
+            self._kill()
+            raise
+        self.channel = StepChannel(self.tp.group, torch.device(config.device))
+        self._store = store  # the group's rendezvous: kept while the group lives
+        atexit.register(self.close)
+        logger.info("tensor parallel: %d ranks (%s)", size, backend_for(config.device))
+
+    def _wait_joined(self, store: dist.Store, size: int) -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        keys = [f"joined/{r}" for r in range(1, size)]
+        while not store.check(keys):
+            self.check()
+            if time.monotonic() > deadline:
+                raise RankFailed(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def send(self, op: int, counts: list[int], body: list[int] | None = None) -> None:
+        """Send the followers their next op (tp_step.py); `done` once rank 0's part is."""
+        self.check()  # a follower gone fails the op loudly, before it is sent
+        self.pending = True
+        self.channel.send(op, counts, body)
+
+    def done(self) -> None:
+        self.pending = False
+
+    def check(self) -> None:
+        """Raise RankFailed if a follower has exited."""
+        for r, proc in enumerate(self.procs, 1):
+            code = proc.poll()
+            if code is not None:
+                raise RankFailed(f"tensor-parallel rank {r} exited with status {code}")
+
+    def close(self) -> None:
+        """Stop the followers: SHUTDOWN when they wait for an op and all live, else (a failed
+        op may have left them inside it) kill them; then leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if not self.pending and all(p.poll() is None for p in self.procs):
+            try:
+                self.channel.send(SHUTDOWN, [])
+            except Exception as e:  # a follower died meanwhile: it is reaped below
+                logger.warning("tensor parallel: shutdown not delivered: %s", e)
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    logger.warning("tensor-parallel rank pid %d did not exit: killing", proc.pid)
+        self._kill()
+        dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@dataclass
+class TPLoadedModel(LoadedModel):
+    """Rank 0's shard of a tensor-parallel worker's model, with the ranks holding the rest."""
+
+    ranks: Ranks

@@ -1,0 +1,150 @@
+"""The engine at tensor-parallel size 2 (two CPU processes, gloo) against size 1: the same
+greedy tokens for a dense and an MoE model (chunked prefill, prefix-cache hits), KV payloads
+that do not depend on the TP size (handed from TP=1 to TP=2 and back), and a follower rank
+that dies failing the next step loudly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.forward_pass import load_for
+from llmfleet.engine.tp_ranks import RankFailed
+from llmfleet.models.loader import load_model
+from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# Prompts longer than a step's 16 tokens: their prefill runs in chunks.
+CFG = dict(block_size=4, num_kv_blocks=96, max_num_batched_tokens=16, num_threads=1)
+
+
+def engine(path, tp: int) -> LLMEngine:
+    config = EngineConfig(model=str(path), tensor_parallel_size=tp, **CFG)
+    return LLMEngine(config, load_for(config))
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def drain(engine: LLMEngine, requests: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+    """Each request's greedy tokens."""
+    return {rid: tokens for rid, (tokens, _) in run_all(engine, requests).items()}
+
+
+def run_all(
+    engine: LLMEngine, requests: list[tuple[str, list[int]]]
+) -> dict[str, tuple[list[int], int]]:
+    """Each request's greedy tokens and cached prompt tokens."""
+    for rid, ids in requests:
+        engine.add_request(rid, ids, GREEDY)
+    out: dict[str, list[int]] = {rid: [] for rid, _ in requests}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            cached[o.request_id] = o.num_cached_tokens
+    return {rid: (out[rid], cached[rid]) for rid, _ in requests}
+
+
+def test_tensor_parallel_size_is_validated(make_checkpoint_module):
+    for bad in ({"tensor_parallel_size": 0}, {"simulate": True}):
+        with pytest.raises(ValidationError) as e:
+            EngineConfig(**{"tensor_parallel_size": 2, **bad})
+        assert e.value.field == "tensor_parallel_size"
+    # A model loaded without its ranks cannot run at TP=2.
+    loaded = load_model(str(make_checkpoint_module("llama")), progress=False)
+    with pytest.raises(ValidationError, match="tensor_parallel_size"):
+        LLMEngine(EngineConfig(tensor_parallel_size=2, **CFG), loaded)
+
+
+def test_moe_tp2_gives_the_tp1_tokens(make_checkpoint_module):
+    # One KV head: replicated on both ranks, its 4 query heads split 2 + 2; experts split too.
+    path = make_checkpoint_module("qwen3_moe", num_key_value_heads=1)
+    batch = list(zip("abc", prompts([21, 6, 13], seed=1), strict=True))
+    want = drain(engine(path, 1), batch)
+    two = engine(path, 2)
+    try:
+        assert drain(two, batch) == want
+        payload = two.kv.read_blocks([0, 1])
+        assert payload.shape == (2, 3, 2, 4, 1, 16)  # one head, read once
+    finally:
+        two.close()
+
+
+def test_a_dead_follower_fails_the_next_step(make_checkpoint_module):
+    two = engine(make_checkpoint_module("llama"), 2)
+    try:
+        follower = two.runner.ranks.procs[0]
+        follower.kill()
+        follower.wait()
+        two.add_request("r", prompts([5])[0], GREEDY)
+        with pytest.raises(RankFailed, match="rank 1 exited"):
+            two.step()
+    finally:
+        two.close()
+
+
+# The tests below share one TP=2 engine; a process holds one tensor-parallel group at a
+# time, so the tests above (each with its own) run first.
+@pytest.fixture(scope="module")
+def dense(make_checkpoint_module):
+    # 6 query heads over 3 KV heads: at TP=2 rank 0 holds KV heads 0-1, rank 1 head 2.
+    path = make_checkpoint_module(
+        "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3
+    )
+    one, two = engine(path, 1), engine(path, 2)
+    yield one, two
+    two.close()
+
+
+def test_dense_tp2_gives_the_tp1_tokens_with_chunks_and_prefix_hits(dense):
+    one, two = dense
+    a, b, c = prompts([37, 9, 23])
+    batch = [("a", a), ("b", b), ("c", c)]
+    assert drain(two, batch) == drain(one, batch)
+    # A prompt sharing a's first 32 tokens reuses their 8 cached blocks on both.
+    again = [("d", a[:32] + [7, 8, 9, 10, 11])]
+    got, want = run_all(two, again)["d"], run_all(one, again)["d"]
+    assert got == want and got[1] == 32  # the same tokens, 32 prompt tokens cached
+    assert two.num_free_blocks == one.num_free_blocks
+
+
+def handoff(
+    src: LLMEngine, dst: LLMEngine, rid: str, ids: list[int]
+) -> tuple[list[int], torch.Tensor]:
+    """Prefill on `src`, its KV written into a reservation on `dst`, decode there: the tokens
+    and the KV payload handed over."""
+    src.add_request(rid, ids, GREEDY, prefill_only=True)
+    first = [t for o in src.step() for t in o.new_token_ids]
+    while src.has_unfinished():
+        first += [t for o in src.step() for t in o.new_token_ids]
+    payload = src.kv.read_blocks(src.kv.pinned_block_ids(rid))
+    src.kv.release_pinned(rid)
+    assert dst.kv.reserve(f"lease-{rid}", len(ids)) == payload.shape[0]
+    dst.kv.write_reserved(f"lease-{rid}", 0, payload)
+    dst.start_decode(f"lease-{rid}", rid, ids, first[0], GREEDY)
+    rest = []
+    while dst.has_unfinished():
+        rest += [t for o in dst.step() for t in o.new_token_ids]
+    return [first[0], *rest], payload
+
+
+def test_kv_payloads_are_the_same_at_either_tp_size_and_hand_off_both_ways(dense):
+    one, two = dense
+    [p] = prompts([18], seed=2)
+    want = drain(one, [("w", p)])["w"]
+    assert one.kv.block_shape == two.kv.block_shape == (2, 2, 4, 3, 8)  # all 3 heads
+    # TP=1 prefill, TP=2 decode: the payload's heads are split over the ranks.
+    got, from_one = handoff(one, two, "p1", p)
+    assert got == want
+    # TP=2 prefill (its ranks' heads gathered), TP=1 decode.
+    got, from_two = handoff(two, one, "p2", p)
+    assert got == want
+    assert from_one.shape == from_two.shape == (5, 2, 2, 4, 3, 8)
+    assert from_one.abs().amax() > 0
+    torch.testing.assert_close(from_two, from_one)
