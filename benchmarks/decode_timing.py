@@ -20,7 +20,7 @@ from llmfleet.shared.core.sampling_params import SamplingParams
 
 def sync(device: str) -> None:
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: str, nbytes: int, reps: int = 20) -> float:

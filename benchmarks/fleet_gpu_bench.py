@@ -34,8 +34,7 @@ from typing import Any
 import torch
 from e2e_llama3_bench import llama3_8b_config
 from fleet_load import HEADER, Load, cpu_seconds, cpu_share, engine_load, row, serve_load
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from random_checkpoint import write_random_checkpoint
 
 from llmfleet.cli.benchserve.datasets import HFTokenizer, random_requests
 from llmfleet.cli.fleet_plan import FleetSpec
@@ -45,12 +44,6 @@ from llmfleet.engine.forward_pass import load_for
 from llmfleet.shared.core.config import EngineConfig
 
 PROFILE_DELAY_S, PROFILE_S = 10, 10
-SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|start_header_id|> {{ m['role'] }} <|end_header_id|> "
-    "{{ m['content'] }} <|end_of_text|> {% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|> assistant <|end_header_id|> {% endif %}"
-)
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,35 +76,13 @@ def parse_args() -> argparse.Namespace:
 
 def write_checkpoint(directory: Path, tiny: bool) -> Path:
     """The random checkpoint and its tokenizer (kept: a later run reuses them)."""
-    if (directory / "config.json").is_file():
-        return directory
     tiny_sizes = dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
     )  # fmt: skip
     config = llama3_8b_config(**(tiny_sizes if tiny else {}))
-    vocab = config.vocab_size
-    config.bos_token_id, config.eos_token_id = vocab - len(SPECIALS), vocab - len(SPECIALS) + 1
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, max_shard_size="5GB")
-    del model
-    words = {f"w{i}": i for i in range(vocab - len(SPECIALS))}
-    words.update({s: vocab - len(SPECIALS) + i for i, s in enumerate(SPECIALS)})
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=SPECIALS[0],
-        eos_token=SPECIALS[1],
-        additional_special_tokens=list(SPECIALS[2:]),
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
-    return directory
+    return write_random_checkpoint(directory, config, dtype, device)
 
 
 def engine_settings(tiny: bool) -> dict[str, Any]:
