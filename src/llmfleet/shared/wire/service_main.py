@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,7 +82,8 @@ class ServiceMain:
         return self._configs(parser, flags)
 
     def main(self, argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-        """Run the service; returns the exit status (a bad flag exits with 2 from argparse)."""
+        """Run the service; returns the exit status (a bad flag exits with 2 from argparse; a
+        service that failed leaves the process at once with 1)."""
         parser = self.build_parser(prog)
         flags = vars(parser.parse_args(argv))
         logging.basicConfig(
@@ -100,7 +102,11 @@ class ServiceMain:
         except (LLMFleetError, OSError, zmq.ZMQError) as exc:
             logger = logging.getLogger(self.package)
             logger.error("%s failed: %s", self.name, exc)
-            return 1
+            # Leave now with status 1: a thread the failure left blocked (an engine thread in
+            # a failed step, a socket's linger) must not hold up the exit a supervisor waits on.
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
         return 0
 
     def _configs(self, parser: argparse.ArgumentParser, flags: dict[str, Any]) -> tuple[Any, ...]:
