@@ -11,7 +11,10 @@ One run, in order:
      batch-16 decode, the median inter-token interval of the engine (`LLMEngine`; TP=1 with CUDA
      graphs, as served; TP=N as it runs now), and how many of the greedy tokens TP=N shares with
      TP=1 before the first difference (bf16 sums in another order: a difference is not a bug
-     there, which is why step 2 checks equality in float32).
+     there, which is why step 2 checks equality in float32);
+  4. (`--big`) a Llama-3-70B-shaped model at TP=N with random weights (`--load-format dummy`:
+     config and tokenizer on disk, no weight files): loads, decodes, batch-1 step time against
+     its roofline. Its vocabulary is the bundled tokenizer's (49152), the rest is 70B's.
 Roofline of a batch-1 decode step at TP=N: the bytes of the weights a step reads divided by N
 copy bandwidths (each GPU reads its shard); its all-reduces are not in it. Target (issue 30):
 TP=2 batch-1 decode <= 1.3x that roofline.
@@ -20,8 +23,10 @@ TP=2 batch-1 decode <= 1.3x that roofline.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -107,6 +112,64 @@ def profile(args: argparse.Namespace, work: Path, device: str, sizes: dict) -> N
     with_engine(big, args.tp, device, str(torch_dtype).removeprefix("torch."), run)
 
 
+def llama3_70b_dir(work: Path) -> Path:
+    """A checkpoint directory of the Llama-3-70B shape without weights: config and tokenizer."""
+    from llmfleet.models.loader import open_checkpoint
+
+    out = work / "llama3-70b-dummy"
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = open_checkpoint(None).tokenizer
+    config = llama3_8b_config(
+        vocab_size=len(tokenizer), hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+    )  # fmt: skip
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def big_model(args: argparse.Namespace, work: Path, bw: list[float]) -> list[tuple[str, str]]:
+    """Step 4: the 70B shape at TP=N, random weights."""
+    path = Path(args.big_dir) if args.big_dir else llama3_70b_dir(work)
+    vocab = 49152 - 8
+    one = random_prompts(1, 128, vocab, seed=4)
+    start = time.perf_counter()
+
+    def measure(eng: LLMEngine) -> tuple[float, float, float]:
+        loaded_s = time.perf_counter() - start
+        weights = float(weight_bytes_per_step(eng.runner.model)) * args.tp  # rank 0's x N
+        return loaded_s, weights, engine_decode_ms(eng, one, 32)
+
+    loaded_s, weights, b1 = with_engine(
+        path, args.tp, "cuda", "bfloat16", measure, load_format="dummy"
+    )
+    roof = 1e3 * weights / (args.tp * statistics.mean(bw[: args.tp]))
+    return [
+        (f"70B shape TP={args.tp}: load (dummy) + start", f"{loaded_s:.0f} s"),
+        (
+            f"70B shape TP={args.tp} batch-1 decode",
+            f"{b1:.2f} ms; roofline {roof:.2f} ms, at {b1 / roof:.2f}x; "
+            f"weights {weights / GiB:.0f} GiB",
+        ),
+    ]
+
+
+def check_fp32(args: argparse.Namespace, work: Path, device: str, sizes: dict) -> tuple[str, str]:
+    """Step 2: float32 greedy tokens at TP=N against TP=1, on 2 layers of the shape."""
+    small = write_random_checkpoint(
+        work / ("fp32-tiny" if args.tiny else "fp32-2layer"),
+        llama3_8b_config(**{**sizes, "num_hidden_layers": 2}),
+        torch.float32,
+        device,
+    )
+    vocab = llama3_8b_config(**sizes).vocab_size - 8
+    prompts = random_prompts(4, 48, vocab, seed=1)
+    ref = with_engine(small, 1, device, "float32", lambda e: greedy(e, prompts, 24))
+    got = with_engine(small, args.tp, device, "float32", lambda e: greedy(e, prompts, 24))
+    equal = sum(a == b for a, b in zip(ref, got, strict=True))
+    return (f"float32 greedy TP={args.tp} == TP=1", f"{equal}/{len(prompts)} prompts")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2)
@@ -114,7 +177,12 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/llmfleet-tp-bench")
     p.add_argument("--steps", type=int, default=64, help="decode steps per timing run")
     p.add_argument("--profile", action="store_true", help="only: profile TP=N batch-1 decode")
+    p.add_argument("--big", action="store_true", help="also: the 70B shape at TP=N (dummy)")
+    p.add_argument("--only-big", action="store_true", help="only step 4 (with step 1)")
+    p.add_argument("--skip-check", action="store_true", help="leave out step 2")
+    p.add_argument("--big-dir", help="step 4's checkpoint directory (default: written here)")
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung run
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s rank-0 %(name)s: %(message)s"
     )
@@ -132,19 +200,12 @@ def main() -> None:
             bw.append(copy_bandwidth(f"cuda:{r}", 2 * GiB))
             rows.append((f"copy bandwidth cuda:{r}", f"{bw[-1] / 1e9:.0f} GB/s"))
 
-    # 2. float32 equality on 2 layers of the shape
-    small = write_random_checkpoint(
-        work / ("fp32-tiny" if args.tiny else "fp32-2layer"),
-        llama3_8b_config(**{**sizes, "num_hidden_layers": 2}),
-        torch.float32,
-        device,
-    )
+    if args.only_big:
+        return print_rows(rows + big_model(args, work, bw), "")
     vocab = llama3_8b_config(**sizes).vocab_size - 8
-    prompts = random_prompts(4, 48, vocab, seed=1)
-    ref = with_engine(small, 1, device, "float32", lambda e: greedy(e, prompts, 24))
-    got = with_engine(small, args.tp, device, "float32", lambda e: greedy(e, prompts, 24))
-    equal = sum(a == b for a, b in zip(ref, got, strict=True))
-    rows.append((f"float32 greedy TP={args.tp} == TP=1", f"{equal}/{len(prompts)} prompts"))
+    if not args.skip_check:
+        rows.append(check_fp32(args, work, device, sizes))
+        print(*rows, sep="\n", flush=True)  # so far, in case a later step fails
 
     # 3. the full shape in bf16 (tiny: float32)
     dtype, torch_dtype = ("bfloat16", torch.bfloat16) if gpu else ("float32", torch.float32)
@@ -165,6 +226,7 @@ def main() -> None:
 
     for tp in (1, args.tp):
         results[tp] = with_engine(big, tp, device, dtype, measure)
+        print(f"TP={tp}: batch 1 {results[tp]['b1']:.2f} ms", flush=True)
     full_weights = results[1]["weights"]
     for tp in (1, args.tp):
         r = results[tp]
@@ -178,9 +240,13 @@ def main() -> None:
     rows.append((f"{dtype} greedy tokens shared with TP=1 (of 32)", str(same)))
     rows.append(("speed-up of batch-1 decode", f"{results[1]['b1'] / results[args.tp]['b1']:.2f}x"))
     rows.append(("weights read per step (TP=1)", f"{full_weights / GiB:.2f} GiB"))
+    if args.big and gpu:
+        rows += big_model(args, work, bw)
+    print_rows(rows, "tiny on CPU" if args.tiny else "")
 
-    where = "tiny on CPU" if args.tiny else torch.cuda.get_device_name()
-    print(f"\n== tensor parallelism, {where}")
+
+def print_rows(rows: list[tuple[str, str]], where: str) -> None:
+    print(f"\n== tensor parallelism, {where or torch.cuda.get_device_name()}")
     for k, v in rows:
         print(f"{k:<46} {v}")
 

@@ -148,3 +148,25 @@ def test_kv_payloads_are_the_same_at_either_tp_size_and_hand_off_both_ways(dense
     assert from_one.shape == from_two.shape == (5, 2, 2, 4, 3, 8)
     assert from_one.abs().amax() > 0
     torch.testing.assert_close(from_two, from_one)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_with_cuda_graphs_gives_the_tp1_tokens_on_two_gpus(make_checkpoint_module):
+    """Both ranks capture their decode graphs (collectives inside) and replay them together:
+    float32 greedy tokens equal TP=1's, through async scheduling's chained steps too."""
+    path = make_checkpoint_module("llama")
+    reqs = list(enumerate(prompts([5, 21, 9, 40], seed=5)))
+    got = {}
+    for tp in (1, 2):
+        config = EngineConfig(
+            model=str(path), device="cuda", tensor_parallel_size=tp, cuda_graph_max_batch_size=8,
+            **CFG,
+        )  # fmt: skip
+        eng = LLMEngine(config, load_for(config))
+        try:
+            assert eng.runner.decode_graphs is not None
+            got[tp] = drain(eng, [(f"r{i}", ids) for i, ids in reqs])
+        finally:
+            eng.close()
+    assert got[2] == got[1]

@@ -35,6 +35,7 @@ SETTINGS = {
     "async_scheduling": False,
     "tensor_parallel_size": 2,
     "quantization": "fp8",
+    "load_format": "dummy",
     "simulate": False,
     "sim_step_ms": 2.5,
     "sim_decode_ms_per_seq": 0.125,

@@ -48,6 +48,7 @@ def load_shard(config: EngineConfig, tp: TensorParallel | None) -> LoadedModel:
         device=config.device,
         quantization=config.quantization,
         tp=tp,
+        load_format=config.load_format,
     )
 
 
@@ -79,15 +80,19 @@ def forward_pass(
         except BaseException:
             loaded.ranks.close()  # (killed if they were sent an op it did not finish)
             raise
-        return runner, Sampler()  # eager steps only (tp_runner.py)
-    if config.tensor_parallel_size > 1:
+    elif config.tensor_parallel_size > 1:
         raise ValidationError(
             "tensor_parallel_size", "needs a model loaded by load_for (the ranks' shards)"
         )
-    runner = ModelRunner(
-        loaded.model, loaded.spec, block_manager, dtype=config.torch_dtype, device=device
-    )
+    else:
+        runner = ModelRunner(
+            loaded.model, loaded.spec, block_manager, dtype=config.torch_dtype, device=device
+        )
     graph_batch = min(config.cuda_graph_max_batch_size or 0, config.max_num_seqs or 0)
     if device.type == "cuda" and graph_batch > 0:
-        runner.capture_decode_graphs(graph_batch, max_model_len)
+        try:
+            runner.capture_decode_graphs(graph_batch, max_model_len)
+        except BaseException:
+            runner.close()  # tensor parallelism: the other ranks too
+            raise
     return runner, Sampler()

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -26,14 +28,19 @@ from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.forward_pass import load_shard
 from llmfleet.engine.model_runner import ModelRunner
 from llmfleet.engine.tp_ranks import GROUP_TIMEOUT, join_group, rank_device
+from llmfleet.engine.tp_runner import release_graphs
 from llmfleet.engine.tp_step import (
+    CAPTURE,
+    DECODE,
     INIT,
     READ,
     SHUTDOWN,
     STEP,
     WRITE,
+    DecodeInputs,
     HeadMap,
     StepChannel,
+    decode_decode,
     decode_step,
 )
 from llmfleet.shared.core.config import EngineConfig
@@ -61,8 +68,23 @@ def follow(runner: ModelRunner, channel: StepChannel, heads: HeadMap) -> None:
             )
             channel.broadcast(full)
             runner.write_cache(body, heads.local(full))
+        elif op == CAPTURE:
+            runner.capture_decode_graphs(counts[0], counts[1])
+        elif op == DECODE:
+            replay(runner, channel, decode_decode(counts, body))
         else:
             raise RuntimeError(f"unknown tensor-parallel op {op}")
+
+
+def replay(runner: ModelRunner, channel: StepChannel, step: DecodeInputs) -> None:
+    """Rank 0's decode step through this rank's graph of the same padded size."""
+    if runner.decode_graphs is None:
+        raise RuntimeError("a DECODE op reached a rank that captured no decode graphs")
+    token_ids: list[int] | torch.Tensor | None = step.token_ids
+    if token_ids is None:  # rank 0's device tensor, broadcast behind the op
+        token_ids = torch.empty(len(step.positions), dtype=torch.int64, device=runner.device)
+        channel.broadcast(token_ids)
+    runner.decode_graphs.run(token_ids, step.positions, step.block_tables)
 
 
 def watch_parent(parent: int) -> None:
@@ -90,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s tp-rank-{args.rank} %(name)s: %(message)s",
     )
     watch_parent(args.parent)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
     base = EngineConfig(**json.loads(args.config))
     device = rank_device(base.device, args.rank)
     config = dataclasses.replace(base, device=device).resolved()
@@ -112,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     heads = HeadMap.exchange(loaded.spec, args.rank, tp.group, torch.device(device))
     follow(runner, channel, heads)
+    release_graphs(runner)  # before the group: see TPModelRunner.close
     dist.destroy_process_group()
     return 0
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from llmfleet.engine.tp_step import SHUTDOWN, StepChannel
 from llmfleet.models.loader import LoadedModel
@@ -141,8 +142,12 @@ class Ranks:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     logger.warning("tensor-parallel rank pid %d did not exit: killing", proc.pid)
+        clean = all(p.poll() == 0 for p in self.procs)
         self._kill()
-        dist.destroy_process_group()
+        if clean:
+            dist.destroy_process_group()
+        else:  # a peer gone mid-op: a graceful NCCL teardown could wait for it forever
+            _abort_process_group()
 
     def _kill(self) -> None:
         for proc in self.procs:

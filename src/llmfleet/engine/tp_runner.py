@@ -1,8 +1,13 @@
 """Rank 0's runner in a tensor-parallel worker: a `ModelRunner` over rank 0's shard whose every
 forward pass and KV block copy first has the follower ranks do the same (tp_step.py).
 
-Steps run eagerly: no CUDA graphs (so no async scheduling) under tensor parallelism for now.
 Sampling stays on rank 0, which alone runs the scheduler, the block manager and the sampler.
+
+CUDA graphs: every rank captures its decode graphs at once (CAPTURE), each with the model's
+collectives inside, and a pure-decode step that fits them is one DECODE op: every rank replays
+its graph of the same padded size, so the collectives of the replays meet. Under async
+scheduling the step's token ids are still on rank 0's device: they follow as a broadcast on
+the stream, behind the step that samples them, and no rank waits for the host.
 
 KV payloads hold every KV head in global order whatever the TP size: `read_blocks` gathers
 the heads of all ranks (a head replicated on several ranks is taken once), `write_blocks`
@@ -13,14 +18,27 @@ different TP sizes exchange KV as they are.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
 
 from llmfleet.engine.block_manager import BlockManager
+from llmfleet.engine.cuda_graphs import PaddedDecoder
 from llmfleet.engine.model_runner import BlockRead, ModelRunner, StepInputs
+from llmfleet.engine.request import Request
 from llmfleet.engine.tp_ranks import Ranks
-from llmfleet.engine.tp_step import INIT, READ, STEP, WRITE, HeadMap, encode_step
+from llmfleet.engine.tp_step import (
+    CAPTURE,
+    DECODE,
+    INIT,
+    READ,
+    STEP,
+    WRITE,
+    HeadMap,
+    encode_decode,
+    encode_step,
+)
 from llmfleet.models.loader import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -44,8 +62,29 @@ class TPModelRunner(ModelRunner):
         ranks.done()
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Not under tensor parallelism yet: decode steps run eagerly."""
-        logger.warning("tensor parallelism: decode steps run eagerly (no CUDA graphs)")
+        """Every rank captures the same graphs (the followers' runners decide as this one)."""
+        self.ranks.send(CAPTURE, [max_batch_size, max_model_len])
+        super().capture_decode_graphs(max_batch_size, max_model_len)
+        self.ranks.done()
+
+    def _replay(
+        self,
+        graphs: PaddedDecoder,
+        requests: list[Request],
+        token_ids: list[int] | torch.Tensor,
+        positions: list[int],
+    ) -> torch.Tensor | None:
+        tables = [self.bm.block_ids(r.request_id) for r in requests]
+        if not graphs.fits(positions, tables):
+            return None
+        on_device = isinstance(token_ids, torch.Tensor)
+        counts, body = encode_decode(positions, tables, None if on_device else list(token_ids))
+        self.ranks.send(DECODE, counts, body)
+        if on_device:
+            self.ranks.channel.broadcast(token_ids.to(torch.int64).contiguous())
+        logits = graphs.run(token_ids, positions, tables)
+        self.ranks.done()
+        return logits
 
     @torch.inference_mode()
     def run(self, batch: StepInputs) -> torch.Tensor:
@@ -92,5 +131,17 @@ class TPModelRunner(ModelRunner):
         return (L, two, bs, self.heads.total, D)
 
     def close(self) -> None:
-        """Stop the follower ranks (see `Ranks.close`)."""
+        """Stop the follower ranks (see `Ranks.close`). The graphs go first: NCCL does not
+        tear a communicator down while captured collectives still hold it."""
+        release_graphs(self)
         self.ranks.close()
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Drop `runner`'s decode graphs and wait until the device has let go of them."""
+    if runner.decode_graphs is None:
+        return
+    runner.decode_graphs = None
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)

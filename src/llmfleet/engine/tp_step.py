@@ -14,6 +14,12 @@ body holding the header's counts of ints:
     READ      n0 = num_blocks    body: block ids; then the KV heads gather (`HeadMap.gather`)
     WRITE     n0 = num_blocks    body: block ids; then a broadcast of the full-head payload
                                  (nb, L, 2, block_size, total_kv_heads, head_dim), cache dtype
+    CAPTURE   n0, n1 = max_batch_size, max_model_len        no body; every rank captures its
+                                 decode graphs (cuda_graphs.py), same sizes, same order
+    DECODE    n0 = num_seqs, n1 = num_table_ids, n2 = 1 when the token ids follow as a
+              broadcast of rank 0's device tensor (async scheduling: not on the host yet)
+              body: positions (n0) | table_lens (n0) | block tables (n1) | token_ids (n0,
+                    only when n2 = 0); every rank replays its graph of the same padded size
     SHUTDOWN                     no body: the followers leave their loop
 
 Plain tensors, no pickling: on each rank's CUDA device under NCCL, on the CPU under gloo.
@@ -36,8 +42,8 @@ from llmfleet.engine.model_runner import StepInputs
 from llmfleet.models.loader import ModelSpec
 
 HEADER_LEN = 8
-SHUTDOWN, INIT, STEP, READ, WRITE = range(5)
-BODY_OPS = (STEP, READ, WRITE)
+SHUTDOWN, INIT, STEP, READ, WRITE, CAPTURE, DECODE = range(7)
+BODY_OPS = (STEP, READ, WRITE, DECODE)
 
 
 class StepChannel:
@@ -61,7 +67,12 @@ class StepChannel:
         if op not in BODY_OPS:
             return op, counts, []
         n_tok, n_seq, n_table, n_sample = counts[:4]  # READ, WRITE: n_tok is the block count
-        size = 2 * n_tok + 3 * n_seq + n_table + n_sample if op == STEP else n_tok
+        if op == STEP:
+            size = 2 * n_tok + 3 * n_seq + n_table + n_sample
+        elif op == DECODE:  # n_tok, n_seq, n_table: num_seqs, num_table_ids, ids on device
+            size = 2 * n_tok + n_seq + (0 if n_table else n_tok)
+        else:
+            size = n_tok
         body = torch.empty(size, dtype=torch.int64, device=self.device)
         self.broadcast(body)
         return op, counts, body.tolist()
@@ -105,6 +116,39 @@ def decode_step(counts: list[int], body: list[int]) -> StepInputs:
         tables.append(body[at : at + n])
         at += n
     return StepInputs(ids, positions, query_lens, seq_lens, tables, body[at : at + n_sample])
+
+
+@dataclass
+class DecodeInputs:
+    """A DECODE op: sequence i decodes token_ids[i] (None: a device broadcast follows) at
+    positions[i] over block_tables[i]."""
+
+    positions: list[int]
+    block_tables: list[list[int]]
+    token_ids: list[int] | None
+
+
+def encode_decode(
+    positions: list[int], block_tables: list[list[int]], token_ids: list[int] | None
+) -> tuple[list[int], list[int]]:
+    """A DECODE's counts and body (see the module docstring)."""
+    n_table = sum(len(t) for t in block_tables)
+    counts = [len(positions), n_table, int(token_ids is None)]
+    body = [*positions, *(len(t) for t in block_tables)]
+    body += itertools.chain.from_iterable(block_tables)
+    body += token_ids or []
+    return counts, body
+
+
+def decode_decode(counts: list[int], body: list[int]) -> DecodeInputs:
+    """The inverse of `encode_decode`."""
+    n, n_table, on_device = counts[:3]
+    positions, lens, at = body[:n], body[n : 2 * n], 2 * n
+    tables = []
+    for m in lens:
+        tables.append(body[at : at + m])
+        at += m
+    return DecodeInputs(positions, tables, None if on_device else body[at : at + n])
 
 
 @dataclass(frozen=True)

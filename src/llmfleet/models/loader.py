@@ -217,25 +217,37 @@ def random_model(
     and this rank keeps its shard: the ranks together hold the size-1 model's weights."""
     tp = tp or SINGLE
     model = build_model(config, dtype=dtype, device=device, backend=select_backend(device), tp=tp)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        if tp.size == 1:
-            for p in model.parameters():
-                p.normal_(0.0, std, generator=gen)
-        else:
-            with torch.device("meta"):
-                full = model_class(config)(config)
-            params = dict(model.named_parameters())
-            for name, p in full.named_parameters():
-                t = torch.empty(p.shape, dtype=dtype, device=device).normal_(
-                    0.0, std, generator=gen
-                )
-                params[name].copy_(take_shard(t, model.param_shard(name)))
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+    randomize(model, config, dtype=dtype, device=device, seed=seed, std=std, tp=tp)
     spec = model_spec(config, model_id, dtype, type(model).__name__, tp=tp)
     return LoadedModel(model=model, spec=spec, tokenizer=None)
+
+
+@torch.no_grad()
+def randomize(
+    model: torch.nn.Module,
+    config: Any,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int = 0,
+    std: float = 0.02,
+    tp: TensorParallel = SINGLE,
+) -> None:
+    """Fill `model` (this rank's shard of `config`'s model) as `random_model` describes."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if tp.size == 1:
+        for p in model.parameters():
+            p.normal_(0.0, std, generator=gen)
+    else:
+        with torch.device("meta"):
+            full = model_class(config)(config)
+        params = dict(model.named_parameters())
+        for name, p in full.named_parameters():
+            t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            params[name].copy_(take_shard(t, model.param_shard(name)))
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
 
 
 def _stream_with_progress(
@@ -259,8 +271,12 @@ def load_model(
     int4_weights: bool | None = None,
     quantization: str | None = None,
     tp: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load a model and its tokenizer. `path` None loads the bundled SmolLM2-135M-Instruct.
+
+    `load_format` "dummy": the checkpoint's config and tokenizer with random weights
+    (`randomize`), no weight file read: benchmarks of real shapes without their weights.
 
     `int4_weights`: keep GGUF Q4_0/Q4_1 linear weights packed (Int4Linear) instead of
     dequantizing them; None means `keeps_int4(device, dtype)`.
@@ -281,6 +297,8 @@ def load_model(
             "int4_weights", "packed INT4 weights are not supported with tensor parallelism"
         )
     ckpt = open_checkpoint(path)
+    if load_format == "dummy":
+        return _dummy_model(ckpt, dtype, device, backend, quantization, tp)
     config, resolved, gf = ckpt.config, ckpt.path, ckpt.gguf
     int4_format: Int4CheckpointFormat | None = None
     names: list[str] = []  # a checkpoint directory's tensor names
@@ -330,6 +348,24 @@ def load_model(
         ckpt.model_id,
         time.perf_counter() - start,
     )
+    return LoadedModel(model=model, spec=spec, tokenizer=ckpt.tokenizer)
+
+
+def _dummy_model(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    backend: AttentionBackend | None,
+    quantization: str | None,
+    tp: TensorParallel,
+) -> LoadedModel:
+    backend = backend or select_backend(device)
+    model = build_model(ckpt.config, dtype=dtype, device=device, backend=backend, tp=tp)
+    randomize(model, ckpt.config, dtype=dtype, device=device, tp=tp)
+    if quantization == "fp8":
+        use_fp8_linears(model)
+    logger.info("%s: random weights (load format dummy) on %s", ckpt.model_id, device)
+    spec = ckpt.spec(dtype, type(model).__name__, tp)
     return LoadedModel(model=model, spec=spec, tokenizer=ckpt.tokenizer)
 
 

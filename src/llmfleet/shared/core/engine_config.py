@@ -50,6 +50,9 @@ class EngineConfig:
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
     quantization: str | None = None
+    # "auto": the checkpoint's weights; "dummy": its config and tokenizer with random weights
+    # (no weight file read): benchmarks of real shapes whose weights are not at hand.
+    load_format: str = "auto"
     # A simulated model (models/simulated.py): the checkpoint's tokenizer and KV geometry, no
     # weights, and a forward pass that takes sim_step_ms + sim_decode_ms_per_seq per decoding
     # sequence + sim_prefill_ms_per_token per prompt token (defaults: an 8B model on one
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ValidationError(
                 "dtype", f"must be float32, bfloat16 or float16, got {self.dtype}"
             )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValidationError("load_format", f"must be auto or dummy, got {self.load_format}")
         if self.quantization not in (None, "fp8"):
             raise ValidationError("quantization", f"must be fp8 or unset, got {self.quantization}")
         if self.quantization == "fp8" and (

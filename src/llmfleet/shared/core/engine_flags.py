@@ -45,13 +45,15 @@ HELP = {
     "this machine; CUDA: devices cuda:0..N-1) (default 1)",
     "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
     "16-bit dtype)",
+    "load_format": "auto: the checkpoint's weights; dummy: its config and tokenizer with random "
+    "weights, no weight file read (benchmarks of real shapes)",
     "simulate": "run a simulated model: the checkpoint's tokenizer, a step-time model for its "
     "forward pass (no weights, no accelerator)",
     "sim_step_ms": "simulated: milliseconds every step takes (default 5.5)",
     "sim_decode_ms_per_seq": "simulated: milliseconds per decoding sequence (default 0.055)",
     "sim_prefill_ms_per_token": "simulated: milliseconds per prompt token (default 0.04)",
 }
-_CHOICES = {"quantization": ["fp8"]}
+_CHOICES = {"quantization": ["fp8"], "load_format": ["auto", "dummy"]}
 
 
 def _base_type(hint: Any) -> Any:
