@@ -16,6 +16,10 @@ through the in-process engine and through real fleets on loopback, side by side 
    gRPC, then through the OpenAI chat gateway, at each concurrency.
 5. `disaggregated`: one prefill and one decode worker on the same GPU, each with
    --gpu-memory-utilization 0.45; gRPC at each concurrency.
+6. `disaggregated-2gpu`: the prefill worker on GPU 0, the decode worker on GPU 1 (KV moves
+   GPU to GPU by CUDA IPC); gRPC at each concurrency.
+For the disaggregated paths, the prefill worker's KV pushes at each concurrency: bytes, pushes
+GPU to GPU / through host memory, and bytes per second of push time (first send to last ack).
 Each row: output tokens/s of the engine and of the fleet, their ratio, ITL and TTFT
 percentiles, failed requests.
 """
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 from e2e_llama3_bench import llama3_8b_config
 from fleet_load import HEADER, Load, cpu_seconds, cpu_share, engine_load, row, serve_load
@@ -42,6 +47,7 @@ from llmfleet.cli.launcher import Fleet
 from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.forward_pass import load_for
 from llmfleet.shared.core.config import EngineConfig
+from llmfleet.v1 import worker_pb2, worker_pb2_grpc
 
 PROFILE_DELAY_S, PROFILE_S = 10, 10
 
@@ -56,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llmfleet-fleet-gpu-bench"))
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (a smoke test)")
     ap.add_argument("--no-openai", action="store_true", help="aggregated: gRPC only")
+    ap.add_argument("--skip-engine", action="store_true", help="fleets only (no table)")
     ap.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -138,13 +145,15 @@ def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str
     extra: dict[str, list[str]] = {}
     if path == "disaggregated" and not args.tiny:
         extra["worker"] = ["--gpu-memory-utilization", "0.45"]
+    two_gpus = path == "disaggregated-2gpu" and not args.tiny
     spec = FleetSpec(
         port=0,
         model=str(checkpoint),
         device=settings.get("device"),
+        worker_devices=("cuda:0", "cuda:1") if two_gpus else (),
         dtype=settings.get("dtype"),
         engine=tuned(args),
-        disaggregated=path == "disaggregated",
+        disaggregated=path.startswith("disaggregated"),
         gateway=path == "aggregated",
         http_port=0,
         extra_args=extra,
@@ -162,8 +171,11 @@ def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str
             results[name] = {}
             for c in args.concurrency:
                 before, start = cpu_seconds(pids), time.monotonic()
+                pushes = kv_pushes(fleet)
                 spies = profile(args.profile_dir, f"{name}-c{c}", pids)
                 load = serve_load(target, [*workload(args, checkpoint, c), "--num-warmups", "4"])
+                if pushes is not None:
+                    print(f"{name}, concurrency {c}: {kv_line(pushes, kv_pushes(fleet))}")
                 results[name][c] = load
                 for spy in spies:
                     spy.wait()
@@ -172,6 +184,26 @@ def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str
                     f"{name}, concurrency {c}: {load.tok_s:.0f} tok/s; cores: {share}", flush=True
                 )
     return results
+
+
+def kv_pushes(fleet: Fleet) -> worker_pb2.GetWorkerStatsResponse | None:
+    """The prefill worker's KV push totals; None in a fleet without one."""
+    prefill = [c for c in fleet.children if c.role == "prefill"]
+    if not prefill:
+        return None
+    with grpc.insecure_channel(prefill[0].address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetWorkerStats(worker_pb2.GetWorkerStatsRequest())
+
+
+def kv_line(a: worker_pb2.GetWorkerStatsResponse, b: worker_pb2.GetWorkerStatsResponse) -> str:
+    nbytes, us = b.kv_pushed_bytes - a.kv_pushed_bytes, b.kv_push_us - a.kv_push_us
+    gpu, host = b.kv_pushes_gpu - a.kv_pushes_gpu, b.kv_pushes_host - a.kv_pushes_host
+    rate = nbytes / (us / 1e6) / 1e9 if us else 0.0
+    mean_ms = us / 1e3 / max(gpu + host, 1)
+    return (
+        f"KV pushed {nbytes / 1e9:.2f} GB in {gpu + host} pushes ({gpu} GPU to GPU, {host} "
+        f"through host memory), {rate:.1f} GB/s of push time, {mean_ms:.2f} ms per push"
+    )
 
 
 def profile(out: Path | None, label: str, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
@@ -196,7 +228,7 @@ def main() -> None:
     started = time.monotonic()
     checkpoint = write_checkpoint(args.workdir / ("tiny" if args.tiny else "llama3-8b"), args.tiny)
     print(f"checkpoint {checkpoint} ({time.monotonic() - started:.0f} s)", flush=True)
-    engine = run_engine(args, checkpoint)
+    engine = {} if args.skip_engine else run_engine(args, checkpoint)
     for c, load in engine.items():
         print(f"engine, concurrency {c}: {load.tok_s:.0f} tok/s", flush=True)
     fleets: dict[str, dict[int, Load]] = {}
@@ -213,7 +245,8 @@ def main() -> None:
     print(HEADER)
     for name, by_conc in fleets.items():
         for c, load in by_conc.items():
-            print(row(f"{name}, concurrency {c}", engine[c], load))
+            if c in engine:
+                print(row(f"{name}, concurrency {c}", engine[c], load))
 
 
 if __name__ == "__main__":

@@ -262,6 +262,12 @@ def test_tensor_parallel_gpu_workers_get_gpus_of_their_own(tmp_path):
     split = FleetSpec(port=0, disaggregated=True, device="cuda:4", engine=tp2)
     assert devices(split) == ["cuda:4", "cuda:6"]  # the prefill worker's ranks, the decode's
     assert devices(FleetSpec(port=0, workers=2, device="cuda")) == ["cuda", "cuda"]  # shared
+    # --worker-devices: prefill on GPU 0, decode on GPU 1
+    pd = FleetSpec(port=0, disaggregated=True, device="cuda", worker_devices=("cuda:0", "cuda:1"))
+    assert devices(pd) == ["cuda:0", "cuda:1"]
+    with pytest.raises(ValidationError) as e:
+        FleetSpec(port=0, disaggregated=True, worker_devices=("cuda:0",))
+    assert e.value.field == "worker_devices"
 
 
 def test_cpu_workers_split_the_cores_and_explicit_threads_stand(tmp_path, monkeypatch):

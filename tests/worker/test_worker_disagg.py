@@ -16,6 +16,7 @@ from worker_helpers import Replies, prompt, reference_tokens, run, start_worker,
 from llmfleet.models.loader import load_model
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import sampling_to_pb
+from llmfleet.shared.wire.cuda_ipc import host_id
 from llmfleet.shared.wire.transport import decode, encode
 from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
 
@@ -90,6 +91,9 @@ def test_reserve_prefill_start_decode_gives_the_unified_tokens(loaded):
             st_d, st_p = await wait_free(d, 64), await wait_free(p, 64)
             assert st_d.load.num_free_blocks == 64 and st_d.load.num_active_leases == 0
             assert st_p.load.num_free_blocks == 64
+            # Both pushes went through host memory (CPU workers), and are counted.
+            assert (st_p.kv_pushes_host, st_p.kv_pushes_gpu) == (2, 0)
+            assert st_p.kv_pushed_bytes == 2 * pre.kv_bytes and st_p.kv_push_us > 0
         finally:
             replies.close()
             await p.stop()
@@ -296,6 +300,17 @@ def test_wrong_epoch_and_malformed_pushes_are_rejected_and_survived(loaded):
             assert not ack.ok and "outside" in ack.error
             ack = await push(header(transfer_id="t5", request_id="b"), [frame])
             assert not ack.ok
+            # A GPU payload (CUDA IPC) that this CPU worker cannot map: refused with the
+            # "cuda-ipc: " reason a pusher falls back to host memory on; so is one from
+            # another host. The lease is untouched by either.
+            gpu = dataplane_pb2.CudaIpcBuffer(
+                host_id=host_id(), device_uuid="GPU-0", shape=[1, *block.shape], dtype="float32"
+            )
+            ack = await push(header(transfer_id="t6", cuda_ipc=gpu), [])
+            assert not ack.ok and ack.error.startswith("cuda-ipc: ") and "GPU" in ack.error
+            gpu.host_id = "another-host"
+            ack = await push(header(transfer_id="t7", cuda_ipc=gpu), [])
+            assert not ack.ok and ack.error.startswith("cuda-ipc: ")
             # the receiver survived: the real handoff still works on this lease
             pre = await stub(p).Prefill(prefill_pb("a", ids, lease, params))
             sd = start_decode_pb("a", ids, lease, pre.first_token_id, replies.endpoint, params)

@@ -67,6 +67,10 @@ class FleetSpec:
     decode_workers: int = 1  # disaggregated mode
     model: str | None = None
     device: str | None = None
+    # Worker i's device, in `plan`'s order (prefill workers, then decode ones), over `device`:
+    # ("cuda:0", "cuda:1") puts a disaggregated fleet's prefill on GPU 0 and decode on GPU 1.
+    # Empty: `device` for every worker (tensor-parallel ones get GPUs of their own).
+    worker_devices: Sequence[str] = ()
     dtype: str | None = None
     quantization: str | None = None  # "fp8": workers quantize their weights at load
     # Every other EngineConfig field the workers take, by name, e.g. {"max_num_seqs": 256,
@@ -113,6 +117,13 @@ class FleetSpec:
             raise ValidationError("startup_timeout_s", "must be > 0")
         if self.grace_s < 0 or (self.stop_grace_s is not None and self.stop_grace_s < 0):
             raise ValidationError("grace_s", "must be >= 0")
+        num_workers = (
+            self.prefill_workers + self.decode_workers if self.disaggregated else self.workers
+        )
+        if self.worker_devices and len(self.worker_devices) != num_workers:
+            raise ValidationError(
+                "worker_devices", f"{len(self.worker_devices)} devices for {num_workers} workers"
+            )
         if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
             raise ValidationError("restart_backoff_s", "must be > 0 and <= max_restart_backoff_s")
 
@@ -250,7 +261,11 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         name = f"{'worker' if role == 'unified' else role}-{counts[role]}"
         counts[role] += 1
         args = ["--role", role, "--worker-id", name, "--router", registry]
-        args += [*kv_args, *engine_argv(_own_gpus(engine, i))]
+        if spec.worker_devices:
+            mine = {**engine, "device": spec.worker_devices[i]}
+        else:
+            mine = _own_gpus(engine, i)
+        args += [*kv_args, *engine_argv(mine)]
         workers.append(make(name, "worker", next(ports), args, role))
     gateways = []
     if spec.gateway:

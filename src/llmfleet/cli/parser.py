@@ -88,6 +88,14 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=int, default=None, help="default 1")
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: bundled)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--worker-devices",
+        nargs="+",
+        default=None,
+        metavar="DEVICE",
+        help="one device per worker, prefill workers first (e.g. --disaggregated "
+        "--worker-devices cuda:0 cuda:1: prefill on GPU 0, decode on GPU 1); default: --device",
+    )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--quantization", default=None, choices=["fp8"], help="workers serve FP8 weights (CUDA)"

@@ -48,6 +48,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         decode_workers=args.decode_workers if args.decode_workers is not None else 1,
         model=args.model,
         device=args.device,
+        worker_devices=tuple(args.worker_devices or ()),
         dtype=args.dtype,
         quantization=args.quantization,
         engine={f: getattr(args, f) for f in ENGINE_FIELDS if getattr(args, f) is not None},

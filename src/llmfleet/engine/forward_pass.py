@@ -60,7 +60,10 @@ def forward_pass(
     max_model_len: int,
 ) -> tuple[ModelRunner, Sampler]:
     """The runner (with its KV cache of `block_manager`'s blocks) and the sampler of `loaded`;
-    `config` is resolved."""
+    `config` is resolved. On CUDA the calling thread's current device becomes `device` (the
+    graphs' kernels and Triton's launches go to the current device)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if isinstance(loaded.model, SimulatedModel):
         step_time = StepTime(
             config.sim_step_ms, config.sim_decode_ms_per_seq, config.sim_prefill_ms_per_token

@@ -79,10 +79,11 @@ class KVHandoff:
         """KV of these blocks as a CPU payload (nb, num_layers, 2, block_size, Hkv, head_dim)."""
         return self.runner.read_blocks(block_ids)
 
-    def start_read(self, block_ids: list[int]) -> BlockRead:
+    def start_read(self, block_ids: list[int], *, to_host: bool = True) -> BlockRead:
         """`read_blocks` without waiting: the copy runs beside later steps (on CUDA); the
-        caller keeps the blocks from being rewritten until it is done (pinned, or exported)."""
-        return self.runner.start_read(block_ids)
+        caller keeps the blocks from being rewritten until it is done (pinned, or exported).
+        `to_host` False on CUDA: the payload is a device tensor (`ModelRunner.start_read`)."""
+        return self.runner.start_read(block_ids, to_host=to_host)
 
     def start_export(self, owner: str, block_hashes: list[bytes]) -> BlockRead | None:
         """Hold the cached blocks with these hashes under `owner` and start reading them; None

@@ -57,7 +57,8 @@ class StepOutput:
 
 class BlockRead:
     """KV blocks on their way to the host (`ModelRunner.start_read`): `payload` is the pinned
-    (nb, num_layers, 2, block_size, num_kv_heads, head_dim) tensor, valid once `done`."""
+    (nb, num_layers, 2, block_size, num_kv_heads, head_dim) tensor (or a device tensor, read
+    with `to_host` False), valid once `done`."""
 
     def __init__(self, payload: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         self.payload = payload
@@ -138,11 +139,13 @@ class ModelRunner:
         return self.start_read(block_ids).wait()
 
     @torch.inference_mode()
-    def start_read(self, block_ids: list[int]) -> BlockRead:
+    def start_read(self, block_ids: list[int], *, to_host: bool = True) -> BlockRead:
         """Start copying blocks to the host and return at once. On CUDA the copy runs on a side
         stream, after the steps queued so far (so it reads what they wrote) and beside the ones
         queued later, into pinned memory: the engine never waits for it. The caller keeps the
-        blocks from being rewritten until the read is done (they are held, or pinned)."""
+        blocks from being rewritten until the read is done (they are held, or pinned).
+        `to_host` False (CUDA): the payload stays on the device, a fresh contiguous tensor
+        (for a device-to-device transfer, shared/wire/cuda_ipc.py)."""
         if self.device.type != "cuda":
             return BlockRead(self._payload(block_ids).contiguous(), None)
         if self._copy_stream is None:
@@ -152,11 +155,13 @@ class ModelRunner:
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(written)
             staged = self._payload(block_ids).contiguous()
-            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-            host.copy_(staged, non_blocking=True)
+            out = staged
+            if to_host:
+                out = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                out.copy_(staged, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return BlockRead(host, done)
+        return BlockRead(out, done)
 
     def _payload(self, block_ids: list[int]) -> torch.Tensor:
         """What `start_read` copies to the host: (nb, L, 2, bs, H, D) on the device."""

@@ -95,13 +95,13 @@ class TPModelRunner(ModelRunner):
         return logits
 
     @torch.inference_mode()
-    def start_read(self, block_ids: list[int]) -> BlockRead:
+    def start_read(self, block_ids: list[int], *, to_host: bool = True) -> BlockRead:
         if not block_ids:
             return BlockRead(
                 torch.empty((0, *self.block_shape), dtype=self.kv_caches[0].dtype), None
             )
         self.ranks.send(READ, [len(block_ids)], block_ids)
-        read = super().start_read(block_ids)
+        read = super().start_read(block_ids, to_host=to_host)
         self.ranks.done()
         return read
 

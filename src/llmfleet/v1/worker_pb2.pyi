@@ -50,7 +50,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "load", "prefix_cache_queries", "prefix_cache_hits", "kvstore_blocks_fetched", "kvstore_blocks_stored", "kvstore_view_blocks", "kvstore_lookups_skipped", "kvstore_blocks_dropped")
+    __slots__ = ("worker_id", "role", "load", "prefix_cache_queries", "prefix_cache_hits", "kvstore_blocks_fetched", "kvstore_blocks_stored", "kvstore_view_blocks", "kvstore_lookups_skipped", "kvstore_blocks_dropped", "kv_pushed_bytes", "kv_push_us", "kv_pushes_gpu", "kv_pushes_host")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,10 @@ class GetWorkerStatsResponse(_message.Message):
     KVSTORE_VIEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_LOOKUPS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_US_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHES_GPU_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHES_HOST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     load: _common_pb2.LoadReport
@@ -71,7 +75,11 @@ class GetWorkerStatsResponse(_message.Message):
     kvstore_view_blocks: int
     kvstore_lookups_skipped: int
     kvstore_blocks_dropped: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kvstore_blocks_fetched: _Optional[int] = ..., kvstore_blocks_stored: _Optional[int] = ..., kvstore_view_blocks: _Optional[int] = ..., kvstore_lookups_skipped: _Optional[int] = ..., kvstore_blocks_dropped: _Optional[int] = ...) -> None: ...
+    kv_pushed_bytes: int
+    kv_push_us: int
+    kv_pushes_gpu: int
+    kv_pushes_host: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kvstore_blocks_fetched: _Optional[int] = ..., kvstore_blocks_stored: _Optional[int] = ..., kvstore_view_blocks: _Optional[int] = ..., kvstore_lookups_skipped: _Optional[int] = ..., kvstore_blocks_dropped: _Optional[int] = ..., kv_pushed_bytes: _Optional[int] = ..., kv_push_us: _Optional[int] = ..., kv_pushes_gpu: _Optional[int] = ..., kv_pushes_host: _Optional[int] = ...) -> None: ...
 
 class GetKVSnapshotRequest(_message.Message):
     __slots__ = ()

@@ -51,6 +51,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lease-ttl-ms", type=int, help="default lifetime of KV leases granted here")
     p.add_argument("--kv-push-timeout-ms", type=int, help="prefill: wait this long for acks")
+    p.add_argument(
+        "--kv-transfer",
+        choices=("auto", "host"),
+        help="prefill on CUDA: auto (default) moves KV to a decode worker on this host GPU to "
+        "GPU (CUDA IPC), host staging where refused; host: always through host memory",
+    )
     p.add_argument("--grace-s", type=float, default=30.0, help="drain period on SIGTERM")
     p.add_argument("--tls-dir", help=TLS_DIR_HELP)
     p.add_argument(

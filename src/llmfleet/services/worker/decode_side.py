@@ -20,17 +20,19 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import torch
 import zmq.asyncio
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from llmfleet.engine.engine import LLMEngine
-from llmfleet.services.worker.kv_transfer import KVReceiver, stage_frames
+from llmfleet.services.worker.kv_transfer import KVReceiver, payload_bytes, stage_frames
 from llmfleet.services.worker.lease import LeaseError, LeaseTable
 from llmfleet.services.worker.loop import EngineLoop
 from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.wire.convert import sampling_from_pb
+from llmfleet.shared.wire.cuda_ipc import IpcUnavailable, open_buffer
 from llmfleet.shared.wire.service import FailedPrecondition, cancel_and_wait
 from llmfleet.shared.wire.tracing import context_from_traceparent
 from llmfleet.shared.wire.transport import Frame
@@ -41,6 +43,21 @@ tracer = trace.get_tracer(__name__)
 
 # Returns the engine and its loop, or raises FailedPrecondition when the worker is not serving.
 EngineAccess = Callable[[], tuple[LLMEngine, EngineLoop]]
+
+
+def open_gpu_payload(engine: LLMEngine, buf: dataplane_pb2.CudaIpcBuffer) -> torch.Tensor:
+    """A pushed GPU payload mapped here; IpcUnavailable when it cannot be (the pusher then
+    sends host payloads), ValueError when it is not this engine's block layout."""
+    if engine.device.type != "cuda":
+        raise IpcUnavailable("this worker's KV cache is not on a GPU")
+    payload = open_buffer(buf)
+    want = tuple(engine.kv.block_shape)
+    if tuple(payload.shape[1:]) != want or payload.dtype != engine.kv.dtype:
+        raise ValueError(
+            f"GPU payload {tuple(payload.shape)} {payload.dtype} is not blocks of {want} "
+            f"{engine.kv.dtype}"
+        )
+    return payload
 
 
 class DecodeSide:
@@ -135,24 +152,37 @@ class DecodeSide:
     ) -> None:
         engine, loop = self._engine_loop()
         self.reap()
+        on_gpu = header.HasField("cuda_ipc")
+        num_blocks = header.cuda_ipc.shape[0] if on_gpu and header.cuda_ipc.shape else len(frames)
         lease = self.leases.check_push(
-            header.lease_id, header.epoch, header.first_block, len(frames)
+            header.lease_id, header.epoch, header.first_block, num_blocks
         )
         if header.request_id != lease.request_id:
             raise LeaseError(f"lease {lease.lease_id} is not for request {header.request_id!r}")
         if header.layout != self.kv_layout:
             raise LeaseError(f"KV layout {header.layout} is not this worker's {self.kv_layout}")
-        trace.get_current_span().set_attribute("llmfleet.kv.bytes", sum(len(f) for f in frames))
-        payload = await stage_frames(engine, frames)
+        nbytes = payload_bytes(header, frames)
+        trace.get_current_span().set_attribute("llmfleet.kv.bytes", nbytes)
+        if on_gpu:
+            payload = open_gpu_payload(engine, header.cuda_ipc)
+        else:
+            payload = await stage_frames(engine, frames)
 
-        def write() -> None:
+        def write() -> torch.cuda.Event | None:
             engine.kv.write_reserved(lease.lease_id, header.first_block, payload)
+            if not on_gpu:
+                return None
+            copied = torch.cuda.Event()  # the sender frees its tensor once acknowledged
+            copied.record()
+            return copied
 
         try:
-            await loop.call(write)
+            copied = await loop.call(write)
         except KeyError:
             raise LeaseError(f"lease {lease.lease_id} was released") from None
-        self.leases.record_push(lease, header.first_block, len(frames))
+        if copied is not None:  # (a mapped GPU payload is unmapped when this returns)
+            await asyncio.to_thread(copied.synchronize)
+        self.leases.record_push(lease, header.first_block, num_blocks)
 
     async def start_decode(self, request: worker_pb2.StartDecodeRequest) -> None:
         engine, loop = self._engine_loop()

@@ -2,17 +2,23 @@
 (decode, ROUTER on its kv_endpoint).
 
 A push is one multipart message: a `KVTransferHeader` frame, then one frame per block, each
-block laid out (num_layers, 2, block_size, num_kv_heads, head_dim) C-contiguous. A lease's
-blocks go in one or more pushes of at most `max_push_bytes` each (at least one block), all
-sent before waiting; the receiver answers every push with a `KVTransferAck` echoing lease id,
-epoch and transfer id. The pusher matches acks on all three and ignores any other ack (stray,
-duplicated, from an earlier attempt), so a late ack can never complete a newer push.
+block laid out (num_layers, 2, block_size, num_kv_heads, head_dim) C-contiguous. A payload on
+the GPU goes instead as one push of the header alone, its `cuda_ipc` naming the tensor for the
+receiver to copy GPU to GPU (shared/wire/cuda_ipc.py); a receiver that cannot map it refuses
+with an error starting "cuda-ipc: ", and the pusher then sends that endpoint host payloads.
+
+A lease's blocks go in one or more pushes of at most `max_push_bytes` each (at least one
+block), all sent before waiting; the receiver answers every push with a `KVTransferAck`
+echoing lease id, epoch and transfer id. The pusher matches acks on all three and ignores
+any other ack (stray, duplicated, from an earlier attempt), so a late ack can never complete
+a newer push.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +33,7 @@ from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.kv_handoff import stage_payload
 from llmfleet.services.worker.lease import LeaseError
 from llmfleet.shared.core.errors import LLMFleetError
+from llmfleet.shared.wire.cuda_ipc import ERROR_PREFIX, IpcUnavailable, export_buffer
 from llmfleet.shared.wire.service import FailedPrecondition, Unavailable, cancel_and_wait
 from llmfleet.shared.wire.transport import (
     Frame,
@@ -120,6 +127,9 @@ class KVPusher:
         self.ctx = ctx
         self.max_push_bytes = max_push_bytes
         self._dealers: dict[str, _Dealer] = {}
+        self.host_only: set[str] = set()  # endpoints that refused GPU payloads (CUDA IPC)
+        # Since start (GetWorkerStats): bytes and time of acknowledged pushes, by path.
+        self.pushed_bytes = self.push_us = self.pushes_gpu = self.pushes_host = 0
 
     async def push(
         self,
@@ -129,19 +139,20 @@ class KVPusher:
         epoch: int,
         request_id: str,
         layout: dataplane_pb2.KVLayout,
-        payload: torch.Tensor,  # (nb, num_layers, 2, block_size, Hkv, D), CPU, contiguous
+        payload: torch.Tensor,  # (nb, num_layers, 2, block_size, Hkv, D), contiguous
         timeout_s: float,
         traceparent: str = "",
     ) -> PushResult:
         """Push every block and wait for every ack. Unavailable on timeout (the dealer is then
         dropped, so nothing queued for a dead peer is sent later); FailedPrecondition when the
-        receiver rejects a push."""
+        receiver rejects a push; IpcUnavailable when it cannot map a GPU `payload` (the
+        caller keeps the payload until this returns)."""
         dealer = self._dealers.get(endpoint)
         if dealer is None:
             dealer = self._dealers[endpoint] = _Dealer(self.ctx, endpoint)
-        nb = payload.shape[0]
+        nb, on_gpu = payload.shape[0], payload.is_cuda
         block_bytes = payload[0].numel() * payload.element_size() if nb else 0
-        per_push = max(1, self.max_push_bytes // max(block_bytes, 1))
+        per_push = nb if on_gpu else max(1, self.max_push_bytes // max(block_bytes, 1))
         chunks = [(i, min(i + per_push, nb)) for i in range(0, nb, per_push)] or [(0, 0)]
         keys: list[AckKey] = []
         futs: list[asyncio.Future[dataplane_pb2.KVTransferAck]] = []
@@ -164,7 +175,11 @@ class KVPusher:
                     fut = dealer.waiters[key] = loop.create_future()
                     keys.append(key)
                     futs.append(fut)
-                    frames = encode(header, [tensor_frame(payload[i]) for i in range(lo, hi)])
+                    if on_gpu:
+                        header.cuda_ipc.CopyFrom(export_buffer(payload))
+                        frames = encode(header)
+                    else:
+                        frames = encode(header, [tensor_frame(payload[i]) for i in range(lo, hi)])
                     await dealer.sock.send_multipart(frames, copy=False)
                 acks = await asyncio.gather(*futs)
         except TimeoutError:
@@ -179,18 +194,36 @@ class KVPusher:
             for k in keys:
                 dealer.waiters.pop(k, None)
         for ack in acks:
+            if not ack.ok and on_gpu and ack.error.startswith(ERROR_PREFIX):
+                self.host_only.add(endpoint)
+                raise IpcUnavailable(ack.error.removeprefix(ERROR_PREFIX))
             if not ack.ok:
                 KV_TRANSFER_FAILURES.labels("push").inc()
                 raise FailedPrecondition(f"decode worker rejected the KV push: {ack.error}")
         seconds = time.perf_counter() - start
         KV_TRANSFER_BYTES.labels("push").inc(nb * block_bytes)
         KV_TRANSFER_SECONDS.labels("push").observe(seconds)
-        return PushResult(num_bytes=nb * block_bytes, transfer_us=int(seconds * 1e6))
+        result = PushResult(num_bytes=nb * block_bytes, transfer_us=int(seconds * 1e6))
+        self.pushed_bytes += result.num_bytes
+        self.push_us += result.transfer_us
+        if on_gpu:
+            self.pushes_gpu += 1
+        else:
+            self.pushes_host += 1
+        return result
 
     async def close(self) -> None:
         for dealer in self._dealers.values():
             await dealer.close()
         self._dealers.clear()
+
+
+def payload_bytes(header: dataplane_pb2.KVTransferHeader, frames: list[Frame]) -> int:
+    """A push's KV bytes: its frames', or the GPU tensor's it names."""
+    if not header.HasField("cuda_ipc"):
+        return sum(len(f) for f in frames)
+    buf = header.cuda_ipc
+    return math.prod(buf.shape) * torch.empty((), dtype=getattr(torch, buf.dtype)).element_size()
 
 
 # (header, payload frames) -> None when accepted; raises LeaseError/MalformedFrame to reject.
@@ -228,7 +261,7 @@ class KVReceiver:
             KV_TRANSFER_FAILURES.labels("receive").inc()
             logger.info("rejected KV push for lease %s: %s", header.lease_id, e)
         else:
-            KV_TRANSFER_BYTES.labels("receive").inc(sum(len(f) for f in payload))
+            KV_TRANSFER_BYTES.labels("receive").inc(payload_bytes(header, payload))
             KV_TRANSFER_SECONDS.labels("receive").observe(time.perf_counter() - start)
         await self.sock.send_multipart([identity, *encode(ack)])
 

@@ -46,6 +46,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
 from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.outputs import StepMetrics
@@ -243,6 +245,8 @@ class EngineLoop:
         loop = self._loop
         assert loop is not None
         engine = self.engine
+        if engine.device.type == "cuda":  # this thread's kernels go to the engine's GPU
+            torch.cuda.set_device(engine.device)
         while not self._stopping:
             self._wake.clear()  # ops queued from here on set it again
             ops: list[Op] = []

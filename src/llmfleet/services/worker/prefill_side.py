@@ -10,11 +10,17 @@ samples the first token and keeps the prompt's blocks pinned until the request i
 first output completes the waiting `prefill` call (it never goes to a reply endpoint); the
 blocks are read out, pushed to the decode worker named by the lease, and the request is aborted
 whatever happens, which unpins the blocks (they stay in the prefix cache).
+
+On CUDA (`kv_transfer` "auto") the blocks are read into a fresh GPU tensor that the decode
+worker copies from GPU to GPU (CUDA IPC, shared/wire/cuda_ipc.py); a decode worker that cannot
+map it (another host, no GPU) refuses, and that push and every later one to it go through
+host memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +35,7 @@ from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import logprobs_to_pb, sampling_from_pb
+from llmfleet.shared.wire.cuda_ipc import IpcUnavailable
 from llmfleet.shared.wire.service import FailedPrecondition
 from llmfleet.shared.wire.tracing import child_span, traceparent
 from llmfleet.v1 import dataplane_pb2, worker_pb2
@@ -55,11 +62,13 @@ class PrefillSide:
         kv_layout: dataplane_pb2.KVLayout,
         *,
         kv_push_timeout_ms: int,
+        kv_transfer: str = "auto",
     ) -> None:
         self._engine_loop = engine_loop
         self._admit = admit
         self.kv_layout = kv_layout
         self._kv_push_timeout_ms = kv_push_timeout_ms
+        self._kv_transfer = kv_transfer
         self.pusher = KVPusher(ctx)
         self._waiting: dict[str, asyncio.Future[RequestOutput]] = {}
 
@@ -106,9 +115,15 @@ class PrefillSide:
             if out.finish_reason == "abort" or not out.new_token_ids:
                 raise Cancelled(f"request {rid} was cancelled during its prefill")
             kv = engine.kv
-            # The copy to the host runs beside later steps (the pin keeps the blocks); the
-            # engine thread only starts it.
-            read = await loop.call(lambda: kv.start_read(kv.pinned_block_ids(rid)))
+            on_gpu = (
+                self._kv_transfer == "auto"
+                and engine.device.type == "cuda"
+                and lease.kv_endpoint not in self.pusher.host_only
+            )
+            # The copy (to the host, or to a fresh GPU tensor) runs beside later steps (the pin
+            # keeps the blocks); the engine thread only starts it.
+            ids = kv.pinned_block_ids
+            read = await loop.call(lambda: kv.start_read(ids(rid), to_host=not on_gpu))
             payload = await asyncio.to_thread(read.wait)
             if lease.num_blocks and payload.shape[0] != lease.num_blocks:
                 raise FailedPrecondition(
@@ -122,16 +137,23 @@ class PrefillSide:
             # The decode side's kv_receive spans are children of this one (traceparent in
             # every KVTransferHeader), which links the two workers' halves of the transfer.
             with child_span(tracer, "kv_push", kind=SpanKind.PRODUCER, attributes=attrs) as span:
-                pushed = await self.pusher.push(
+                push = functools.partial(
+                    self.pusher.push,
                     lease.kv_endpoint,
                     lease_id=lease.lease_id,
                     epoch=lease.epoch,
                     request_id=rid,
                     layout=self.kv_layout,
-                    payload=payload,
                     timeout_s=self._kv_push_timeout_ms / 1000,
                     traceparent=traceparent(),
                 )
+                try:
+                    pushed = await push(payload=payload)
+                except IpcUnavailable as e:
+                    logger.warning("KV to %s through host memory: %s", lease.kv_endpoint, e)
+                    on_gpu = False
+                    pushed = await push(payload=await asyncio.to_thread(payload.cpu))
+                span.set_attribute("llmfleet.kv.gpu_to_gpu", on_gpu)
                 span.set_attribute("llmfleet.kv.bytes", pushed.num_bytes)
                 span.set_attribute("llmfleet.kv.transfer_s", pushed.transfer_us / 1e6)
         finally:

@@ -167,6 +167,7 @@ class WorkerRuntime:
                 self.admission.admit_prefill,
                 self.kv_layout,
                 kv_push_timeout_ms=self.wc.kv_push_timeout_ms,
+                kv_transfer=self.wc.kv_transfer,
             )
         if self.role in ("decode", "unified"):
             sock, self.kv_endpoint = bind(

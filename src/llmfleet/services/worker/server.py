@@ -97,7 +97,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             self.decode.reap()
         load = await loop.call(self._load_report)  # between steps: a consistent view
         stats = engine.block_manager.stats
-        return worker_pb2.GetWorkerStatsResponse(
+        resp = worker_pb2.GetWorkerStatsResponse(
             worker_id=self.worker_id,
             role=ROLE_TO_PB[self.role],
             load=load,
@@ -109,6 +109,11 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             kvstore_lookups_skipped=self.kvstore.num_lookups_skipped if self.kvstore else 0,
             kvstore_blocks_dropped=self.kvstore.num_blocks_dropped if self.kvstore else 0,
         )
+        if self.prefill is not None:
+            pusher = self.prefill.pusher
+            resp.kv_pushed_bytes, resp.kv_push_us = pusher.pushed_bytes, pusher.push_us
+            resp.kv_pushes_gpu, resp.kv_pushes_host = pusher.pushes_gpu, pusher.pushes_host
+        return resp
 
     async def GetKVSnapshot(
         self, request: worker_pb2.GetKVSnapshotRequest, context: grpc.aio.ServicerContext

@@ -157,6 +157,9 @@ class WorkerConfig:
     first_token_yield_ms: float = 4.0
     lease_ttl_ms: int = 30000  # default lifetime of a KV lease this worker grants
     kv_push_timeout_ms: int = 10000  # prefill: wait this long for a decode worker's ack
+    # Prefill on CUDA: "auto" moves KV to a decode worker on this host GPU to GPU (CUDA IPC),
+    # host staging over ZMQ where that is refused; "host": host staging always.
+    kv_transfer: str = "auto"
     # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
     # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
     tls_dir: str | None = None
@@ -184,6 +187,8 @@ class WorkerConfig:
         _check_lease_ttl(self.lease_ttl_ms)
         if self.fault_inject_step < 0:
             raise ValidationError("fault_inject_step", "must be >= 0 (0: off)")
+        if self.kv_transfer not in ("auto", "host"):
+            raise ValidationError("kv_transfer", f"must be auto or host, got {self.kv_transfer}")
 
 
 @dataclass(frozen=True)
