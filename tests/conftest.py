@@ -46,3 +46,18 @@ def make_checkpoint_module(tmp_path_factory: pytest.TempPathFactory) -> Callable
         return make_checkpoint(arch, tmp_path_factory.mktemp("ckpt"), **overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def bundled_hf_model() -> torch.nn.Module:
+    """transformers' float32 model of the bundled GGUF (dequantized), the reference the
+    bundled-model tests compare against: loaded once per session (about 20 s on two cores).
+    Read-only: tests must not change its weights or config."""
+    from transformers import AutoModelForCausalLM
+
+    from llmfleet.models.checkpoint_files import resolve_model_path
+
+    path = resolve_model_path(None)
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()

@@ -7,7 +7,11 @@ ChatML template (vocab: 256 bytes, then the specials below).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +133,17 @@ def make_checkpoint(
 ) -> Path:
     """Save a tiny `arch` checkpoint (config overrides applied) into `out_dir / arch`."""
     return save_checkpoint(build_hf_model(arch, **overrides), out_dir / arch, max_shard_size)
+
+
+@functools.cache
+def sim_checkpoint() -> str:
+    """A tiny llama checkpoint (8192 positions, like the bundled model) for fleets of simulated
+    workers, which read only its tokenizer, EOS ids and KV geometry: each child process opens it
+    in milliseconds, where the bundled GGUF's metadata takes seconds to parse in every one of
+    them. Made once per test process; removed when it exits."""
+    out = Path(tempfile.mkdtemp(prefix="llmfleet-sim-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return str(make_checkpoint("llama", out, max_position_embeddings=8192))
 
 
 # ---- running our model over a paged cache ----

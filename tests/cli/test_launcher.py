@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError, plan
+from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError, pick_free_ports, plan
 from llmfleet.cli.launcher import Fleet
 from llmfleet.cli.main import main
 from llmfleet.shared.core.errors import ValidationError
@@ -185,18 +186,29 @@ def test_run_prints_the_endpoint_and_stops_everything_on_sigint(tmp_path):
         assert line.startswith("llmfleet: serving on 127.0.0.1:"), proc.stderr.read()
         endpoint = line.rsplit(" ", 1)[1].strip()
         assert _serving(endpoint)
+        # then each child's Prometheus endpoint, one line each, in start order
+        listed = [proc.stdout.readline().split() for _ in range(4)]
+        assert [words[:4] for words in listed] == [
+            ["llmfleet:", "metrics", "of", name] for name in NAMES
+        ]
+        for words in listed:
+            with urllib.request.urlopen(words[-1], timeout=10) as resp:
+                assert resp.status == 200 and b"python_info" in resp.read()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert out == ""
+    assert out == ""  # nothing after those
     assert "[router]" in err  # children's logs are echoed with their names
     events = _events(tmp_path)
     started = {e["name"] for e in events if e["event"] == "start"}
     stopped = [e["name"] for e in events if e["event"] == "stop"]
     assert set(stopped) == started and stopped[-1] == "kvstore"
+
+
+NAMES = ["kvstore", "tokenizer", "router", "worker-0"]
 
 
 def _spec_kwargs(spec: FleetSpec) -> dict[str, Any]:
@@ -242,6 +254,27 @@ def test_spec_validation_names_the_field():
         FleetSpec(disaggregated=True, decode_workers=0)
     with pytest.raises(ValidationError, match="^extra_args"):
         FleetSpec(extra_args={"scheduler": ["--x"]})
+
+
+def test_metrics_port_base_lays_out_every_services_port(tmp_path):
+    base = pick_free_ports(1)[0] // 2 + 1024  # away from the ephemeral range's busy end
+    spec = FleetSpec(
+        port=0, disaggregated=True, decode_workers=2, gateway=True, http_port=0,
+        metrics_port_base=base,
+    )  # fmt: skip
+    children = [c for tier in plan(spec, tmp_path) for c in tier]
+    ports = {c.name: int(_flag(c.argv, "--metrics-port")) for c in children}
+    assert ports == {
+        "kvstore": base, "tokenizer": base + 1, "router": base + 2, "gateway": base + 3,
+        "prefill-0": base + 4, "decode-0": base + 5, "decode-1": base + 6,
+    }  # fmt: skip
+    with pytest.raises(ValidationError, match="^metrics_port_base"):
+        FleetSpec(workers=3, metrics_port_base=65530)
+    with socket.socket() as s:  # one of them taken: the plan names it
+        s.bind(("127.0.0.1", base + 2))
+        s.listen()
+        with pytest.raises(FleetStartError, match=f"metrics port {base + 2} on 127.0.0.1"):
+            plan(spec, tmp_path)
 
 
 def _threads(spec: FleetSpec, tmp_path) -> list[str | None]:

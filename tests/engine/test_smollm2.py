@@ -10,10 +10,8 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from llmfleet.client.llm import LLM
-from llmfleet.models.checkpoint_files import resolve_model_path
 from llmfleet.models.loader import load_model
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
@@ -35,11 +33,8 @@ def llm() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    path = resolve_model_path(None)
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+def hf_model(bundled_hf_model):
+    return bundled_hf_model  # (conftest.py: one load per session)
 
 
 def test_chat_greedy_equals_transformers(llm, hf_model):

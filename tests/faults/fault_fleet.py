@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny_models import sim_checkpoint
 
 from llmfleet.cli.fleet_plan import FleetSpec
 from llmfleet.client.generation import AsyncGenerationClient, ClientError
@@ -31,6 +32,7 @@ def sim_spec(tmp_path: Path, **kwargs: Any) -> FleetSpec:
     defaults: dict[str, Any] = {
         "port": 0,
         "workers": 2,
+        "model": sim_checkpoint(),
         "engine": engine,
         "kvstore": False,
         "http_port": 0,

@@ -168,7 +168,7 @@ def test_sigterm_gateway_finishes_open_streams_and_answers_503_meanwhile(serving
     wait_until(lambda: http_status(f"{fleet.http_url}/health") == 503, "health 503", 10)
     assert http_status(f"{fleet.http_url}/v1/models") == 503
     for conn, resp in conns:
-        events = [line for line in resp.read().decode().splitlines() if line.strip()]
+        events = [line for line in resp.read().decode().split("\n") if line.strip()]
         conn.close()
         assert events[-1] == "data: [DONE]"
         finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]

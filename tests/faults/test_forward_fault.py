@@ -9,8 +9,10 @@ import asyncio
 import subprocess
 from pathlib import Path
 
+import pytest
 from fault_fleet import health, wait_until
 from grpc_health.v1 import health_pb2
+from tiny_models import sim_checkpoint
 
 from llmfleet.cli.fleet_plan import FleetSpec, pick_free_ports
 from llmfleet.cli.launcher import Fleet
@@ -43,6 +45,7 @@ async def _streams(endpoint: str, count: int) -> list[tuple[int, str | None] | s
 def _spec(tmp_path: Path, **kwargs) -> FleetSpec:
     return FleetSpec(
         port=0,
+        model=sim_checkpoint(),
         engine=SIMULATED,
         kvstore=False,
         routing_policy="round_robin",
@@ -71,32 +74,54 @@ def _start_faulty(fleet: Fleet, like: int, fault_step: int, log: Path) -> subpro
     return faulty
 
 
-def test_streams_on_a_failing_worker_move_to_the_healthy_one(tmp_path):
-    with Fleet(_spec(tmp_path, workers=1)) as fleet:
-        faulty = _start_faulty(fleet, 0, FAULT_STEP, tmp_path / "faulty.log")
-        try:
-            results = asyncio.run(_streams(fleet.endpoint, 8))
+@pytest.fixture(scope="module")
+def aggregated(tmp_path_factory):
+    """One worker: healthy for the first test, made to fail in the last (its own fleet each
+    would cost another start of every process)."""
+    with Fleet(_spec(tmp_path_factory.mktemp("aggregated"), workers=1)) as fleet:
+        yield fleet
 
-            # No stream saw OK with tokens missing: each completed in full (on the healthy
-            # worker, moved there mid-stream) or failed naming the worker failure.
-            for r in results:
-                if isinstance(r, str):
-                    assert r.startswith(("UNAVAILABLE", "INTERNAL")), r
-                    assert "forward pass failed" in r, r
-                else:
-                    assert r == (MAX_TOKENS, "length")
-            assert faulty.wait(timeout=60) != 0  # it exited, non-zero, for a supervisor
-            log_text = (tmp_path / "faulty.log").read_text()
-            assert "fault injected at engine step" in log_text
-            assert "handing its requests back" in log_text
-            with GenerationClient(fleet.endpoint) as c:  # it left the router's pool
-                assert [w.address for w in c.server_info().workers] == fleet.worker_addresses
-            # The fleet goes on serving on the healthy worker.
-            assert asyncio.run(_streams(fleet.endpoint, 4)) == [(MAX_TOKENS, "length")] * 4
-        finally:
-            if faulty.poll() is None:
-                faulty.kill()
-                faulty.wait()
+
+def test_streams_on_a_failing_worker_move_to_the_healthy_one(aggregated, tmp_path):
+    fleet = aggregated
+    faulty = _start_faulty(fleet, 0, FAULT_STEP, tmp_path / "faulty.log")
+    try:
+        results = asyncio.run(_streams(fleet.endpoint, 8))
+
+        # No stream saw OK with tokens missing: each completed in full (on the healthy
+        # worker, moved there mid-stream) or failed naming the worker failure.
+        for r in results:
+            if isinstance(r, str):
+                assert r.startswith(("UNAVAILABLE", "INTERNAL")), r
+                assert "forward pass failed" in r, r
+            else:
+                assert r == (MAX_TOKENS, "length")
+        assert faulty.wait(timeout=60) != 0  # it exited, non-zero, for a supervisor
+        log_text = (tmp_path / "faulty.log").read_text()
+        assert "fault injected at engine step" in log_text
+        assert "handing its requests back" in log_text
+        with GenerationClient(fleet.endpoint) as c:  # it left the router's pool
+            assert [w.address for w in c.server_info().workers] == fleet.worker_addresses
+        # The fleet goes on serving on the healthy worker.
+        assert asyncio.run(_streams(fleet.endpoint, 4)) == [(MAX_TOKENS, "length")] * 4
+    finally:
+        if faulty.poll() is None:
+            faulty.kill()
+            faulty.wait()
+
+
+def test_the_only_worker_failing_ends_its_streams_with_a_status_naming_it(aggregated):
+    fleet = aggregated
+    worker = fleet.child("worker-0")  # the fleet's only worker, started again failing
+    worker.argv += ["--fault-inject-step", str(FAULT_STEP)]
+    fleet.restart("worker-0", kill=False)  # drained: it deregisters, then registers anew
+    with GenerationClient(fleet.endpoint) as c:
+        wait_until(lambda: len(c.server_info().workers) == 1, "worker-0 registered again", 60)
+    results = asyncio.run(_streams(fleet.endpoint, 4))
+    assert all(isinstance(r, str) for r in results), results
+    for r in results:
+        assert r.startswith("UNAVAILABLE"), r
+        assert "forward pass failed" in r and "fault injected" in r, r
 
 
 def test_a_failing_prefill_worker_hands_its_prefills_to_the_other(tmp_path):
@@ -118,15 +143,3 @@ def test_a_failing_prefill_worker_hands_its_prefills_to_the_other(tmp_path):
             if faulty.poll() is None:
                 faulty.kill()
                 faulty.wait()
-
-
-def test_the_only_worker_failing_ends_its_streams_with_a_status_naming_it(tmp_path):
-    spec = _spec(
-        tmp_path, workers=1, extra_args={"worker": ["--fault-inject-step", str(FAULT_STEP)]}
-    )
-    with Fleet(spec) as fleet:
-        results = asyncio.run(_streams(fleet.endpoint, 4))
-        assert all(isinstance(r, str) for r in results), results
-        for r in results:
-            assert r.startswith("UNAVAILABLE"), r
-            assert "forward pass failed" in r and "fault injected" in r, r

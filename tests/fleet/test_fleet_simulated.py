@@ -11,6 +11,7 @@ import openai
 import pytest
 from fleet_helpers import wait_all_blocks_free
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import sim_checkpoint
 
 from llmfleet.cli.fleet_plan import FleetSpec
 from llmfleet.cli.launcher import Fleet
@@ -25,7 +26,8 @@ SIMULATED = {"simulate": True, "sim_step_ms": 2.0, "sim_decode_ms_per_seq": 0.02
 def fleet(tmp_path_factory):
     spec = FleetSpec(
         port=0,
-        workers=4,
+        workers=2,
+        model=sim_checkpoint(),
         engine=SIMULATED,
         gateway=True,
         http_port=0,
@@ -104,6 +106,7 @@ def test_a_full_decode_worker_slows_admission_down_instead_of_failing(tmp_path):
     spec = FleetSpec(
         port=0,
         disaggregated=True,
+        model=sim_checkpoint(),
         engine={**SIMULATED, "sim_decode_ms_per_seq": 1.0, "block_size": 16},
         extra_args={
             "worker": ["--num-kv-blocks", "64", "--lease-ttl-ms", "5000"],

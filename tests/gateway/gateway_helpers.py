@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import string
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import grpc
 
 from llmfleet.client.generation import GenerationClient
 from llmfleet.services.gateway.server import bound_address, build_server
-from llmfleet.shared.core.config import GatewayConfig
+from llmfleet.shared.core.config import AuthConfig, GatewayConfig
 from llmfleet.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -30,6 +31,8 @@ class UpFleet:
     base_url: str  # http://HOST:PORT/v1, from its second line
     worker_addresses: list[str]
     log_dir: Path
+    # Each service's Prometheus endpoint by name, from the lines that follow (gateway last).
+    metrics_urls: dict[str, str] = field(default_factory=dict)
 
 
 @contextmanager
@@ -54,9 +57,14 @@ def llmfleet_up(
             proc.kill()
             raise AssertionError(f"llmfleet up printed {serving!r} {api!r}: {proc.stderr.read()}")
         endpoint = serving.split()[-1]
+        metrics: dict[str, str] = {}
+        while "gateway" not in metrics:  # `llmfleet: metrics of NAME on URL`
+            words = proc.stdout.readline().split()
+            assert words[:3] == ["llmfleet:", "metrics", "of"], words
+            metrics[words[3]] = words[-1]
         with GenerationClient(endpoint) as client:
             workers = [w.address for w in client.server_info().workers]
-        yield UpFleet(endpoint, api.split()[-1], workers, log_dir)
+        yield UpFleet(endpoint, api.split()[-1], workers, log_dir, metrics)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -88,9 +96,11 @@ def wait_workers_idle(addresses: list[str], timeout_s: float) -> list[Any]:
 
 
 @contextmanager
-def gateway_in_thread(config: GatewayConfig, tokenizer: Any) -> Iterator[str]:
+def gateway_in_thread(
+    config: GatewayConfig, tokenizer: Any, auth: AuthConfig | None = None
+) -> Iterator[str]:
     """Serve the gateway app from a thread of this process; yields its base URL (.../v1)."""
-    server = build_server(config, tokenizer=tokenizer)
+    server = build_server(config, tokenizer=tokenizer, auth=auth)
     thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -103,3 +113,11 @@ def gateway_in_thread(config: GatewayConfig, tokenizer: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def a_stop_string(text: str) -> str:
+    """A character of `text` (not its first) to stop at, e.g. 'k' in 'ak3'."""
+    for k, ch in enumerate(text):
+        if k > 0 and ch in string.ascii_letters + string.digits and text.index(ch) == k:
+            return ch
+    raise AssertionError(f"no usable stop character in {text!r}")

@@ -95,8 +95,6 @@ def test_chat_messages_parts_and_roles():
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logit_bias": {"1": 5.0}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import socket
-import string
 import time
+from typing import Any
 
 import httpx2
 import openai
 import pytest
-from gateway_helpers import llmfleet_up, wait_workers_idle
+from gateway_helpers import a_stop_string, llmfleet_up, wait_workers_idle
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmfleet.client.generation import GenerationClient
 
@@ -112,25 +113,17 @@ def test_n2_returns_two_choices_streaming_and_not(oai, grpc_client, model):
     assert by_index == {0: text, 1: text}
 
 
-def _a_stop_string(text: str) -> str:
-    """A character of `text` (not its first) to stop at, e.g. 'k' in 'ak3'."""
-    for k, ch in enumerate(text):
-        if k > 0 and ch in string.ascii_letters + string.digits and text.index(ch) == k:
-            return ch
-    raise AssertionError(f"no usable stop character in {text!r}")
-
-
 def test_stop_strings_end_the_text_before_them(oai, grpc_client, model):
     full = grpc_client.generate("stop", raw=True, max_tokens=32, temperature=0, ignore_eos=True)
     text = full.completions[0].text
-    stop = _a_stop_string(text)
+    stop = a_stop_string(text)
     res = oai.completions.create(model=model, prompt="stop", max_tokens=32, stop=[stop], **GREEDY)
     assert res.choices[0].text == text[: text.index(stop)]
     assert res.choices[0].finish_reason == "stop"
 
     chat = grpc_client.generate(messages=MESSAGES, max_tokens=32, temperature=0, ignore_eos=True)
     text = chat.completions[0].text
-    stop = _a_stop_string(text)
+    stop = a_stop_string(text)
     chunks = list(
         oai.chat.completions.create(
             model=model, messages=MESSAGES, max_tokens=32, stop=stop, stream=True, **GREEDY
@@ -270,3 +263,57 @@ def test_disconnect_cancels_a_non_streaming_request(up, model):
     assert load.num_running == 0 and load.num_free_blocks == load.num_total_blocks
     metrics = httpx2.get(up.base_url.removesuffix("/v1") + "/metrics").text
     assert 'llmfleet:gateway_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
+
+
+GIE_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+
+def gie_gauges(url: str) -> dict[str, list[tuple[str | None, float]]]:
+    """The GIE gauges at `url`: per name, (worker label or None, value) in exposition order."""
+    text = httpx2.get(url, timeout=10).text
+    return {
+        family.name: [(s.labels.get("worker"), s.value) for s in family.samples]
+        for family in text_string_to_metric_families(text)
+        if family.name in GIE_GAUGES
+    }
+
+
+def running_now(url: str, expected: int, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Poll the gauges until the fleet's running count is `expected` (heartbeats carry it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gauges = gie_gauges(url)
+        if gauges["vllm:num_requests_running"][0][1] == expected:
+            return gauges
+        assert time.monotonic() < deadline, f"running never {expected}: {gauges}"
+        time.sleep(0.1)
+
+
+def test_printed_metrics_urls_answer_and_the_gateways_has_the_gie_gauges(oai, up, model):
+    assert list(up.metrics_urls) == ["tokenizer", "router", "worker-0", "gateway"]
+    assert up.metrics_urls["gateway"] == up.base_url.removesuffix("/v1") + "/metrics"
+    worker = httpx2.get(up.metrics_urls["worker-0"], timeout=10)
+    assert worker.status_code == 200 and "vllm:kv_cache_usage_perc" in worker.text
+    assert httpx2.get(up.metrics_urls["router"], timeout=10).status_code == 200
+    url = up.metrics_urls["gateway"]
+
+    idle = running_now(url, 0)
+    for name in GIE_GAUGES:  # the fleet's sample first (what GIE reads), then the worker's
+        assert [w for w, _ in idle[name]] == [None, "worker-0"], idle
+        assert idle[name][0][1] == idle[name][1][1] == 0.0  # one worker: total == its own
+    streams = [
+        oai.completions.create(model=model, prompt=[60 + i] * 40, max_tokens=LONG, stream=True,
+                               **GREEDY)
+        for i in range(2)
+    ]  # fmt: skip
+    for s in streams:
+        next(iter(s))  # each is generating
+    busy = running_now(url, 2)
+    assert busy["vllm:num_requests_running"] == [(None, 2.0), ("worker-0", 2.0)]
+    assert busy["vllm:num_requests_waiting"] == [(None, 0.0), ("worker-0", 0.0)]
+    [(_, used), (_, used_w0)] = busy["vllm:kv_cache_usage_perc"]
+    assert 0.0 < used == used_w0 < 0.5  # two 40-token prompts' blocks of 2100
+    for s in streams:
+        s.close()
+    after = running_now(url, 0)
+    assert after["vllm:kv_cache_usage_perc"][0][1] < used

@@ -309,3 +309,15 @@ def test_gateway_counts_its_request(traffic):
     assert total(gw, "llmfleet:gateway_requests_total", endpoint="/health") >= 1  # the launcher
     duration = "llmfleet:gateway_request_duration_seconds_count"
     assert total(gw, duration, endpoint="/v1/completions") == 1
+
+
+def test_gateway_metrics_port_has_the_fleet_gauges_per_worker(fleet, traffic):
+    gw = scrape(fleet.child("gateway"))  # its own metrics port: the same body as its HTTP one
+    workers = [c.name for c in fleet.workers]
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        rows = [(lab.get("worker"), v) for n, lab, v in gw if n == name]
+        assert rows[0][0] is None, rows  # the fleet's sample first, then each worker's
+        assert sorted(w for w, _ in rows[1:]) == sorted(workers), rows
+        assert rows[0][1] >= 0 and all(0 <= v <= 1 for _, v in rows[1:] if "kv_" in name)
+    running = [v for n, lab, v in gw if n == "vllm:num_requests_running"]
+    assert running[0] == sum(running[1:])

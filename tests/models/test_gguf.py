@@ -21,7 +21,6 @@ from tiny_models import (
     save_checkpoint,
 )
 
-from llmfleet.models.checkpoint_files import resolve_model_path
 from llmfleet.models.loader import load_model
 from llmfleet.shared.core.errors import ModelLoadError
 
@@ -172,11 +171,10 @@ def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bundled_smollm2_matches_transformers(tmp_path: Path, monkeypatch) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_bundled_smollm2_matches_transformers(
+    tmp_path: Path, monkeypatch, bundled_hf_model
+) -> None:
     monkeypatch.setenv("LLMFLEET_CACHE_DIR", str(tmp_path / "cache"))
-    path = resolve_model_path(None)
     start = time.perf_counter()
     first = load_model(None, progress=False)  # includes the one-time tokenizer conversion
     first_s = time.perf_counter() - start
@@ -196,11 +194,8 @@ def test_bundled_smollm2_matches_transformers(tmp_path: Path, monkeypatch) -> No
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = tok(ids, add_special_tokens=False).input_ids
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
+        ref = bundled_hf_model(torch.tensor([prompt])).logits[0]
     ours = Runner(loaded, [len(prompt)]).step([prompt], [0])[0]
     assert_logits_close(ours, ref)
     assert torch.equal(ours[-1].argmax(), ref[-1].argmax())

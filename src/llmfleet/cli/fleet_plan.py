@@ -6,8 +6,9 @@ Tiers (docs/fleet.md): kvstore and tokenizer, then the router, then the workers,
 `sys.executable -m llmfleet.services.<name>` (or `FleetSpec.modules[kind]`) with explicit
 `--host`, `--port` and `--metrics-port`, the flags that wire it to the tiers before it, then
 `FleetSpec.extra_args[kind]`. Ports are picked here, all distinct; the public (router) and HTTP
-ports are the spec's unless 0. Only those two bind on `host`; every internal port (tokenizer,
-kvstore, workers, the router's `--internal-port` Registry, where workers register) binds on
+ports are the spec's unless 0, the metrics ports laid out from `metrics_port_base` when set.
+Only the public and HTTP ports bind on `host`; every internal port (tokenizer, kvstore,
+workers, the router's `--internal-port` Registry, where workers register) binds on
 `internal_host`, and with `tls_dir` every internal service gets `--tls-dir`.
 """
 
@@ -42,6 +43,9 @@ _INTERNAL_TLS = ("kvstore", "tokenizer", "router", "worker")  # the kinds taking
 _DRAINING = ("router", "worker", "gateway")  # the kinds with streams to finish: `--grace-s`
 # The engine settings FleetSpec names itself (the tokenizer and gateway take the model too).
 _OWN_FIELDS = ("model", "device", "dtype", "quantization")
+# `FleetSpec.metrics_port_base`'s layout: these kinds' offsets, then worker i at METRICS_SLOTS + i.
+METRICS_OFFSETS = {"kvstore": 0, "tokenizer": 1, "router": 2, "gateway": 3}
+METRICS_SLOTS = len(METRICS_OFFSETS)
 
 
 class FleetStartError(LLMFleetError):
@@ -95,6 +99,9 @@ class FleetSpec:
     restart_backoff_s: float = 0.5  # the first restart's delay; doubles per crash, capped:
     max_restart_backoff_s: float = 30.0
     metrics_port: int | None = None  # the supervisor's /metrics (restarts); 0: any; None: none
+    # The children's own /metrics ports: kvstore BASE, tokenizer BASE+1, router BASE+2, gateway
+    # BASE+3, worker i (in `plan`'s order) BASE+4+i; None: free ports.
+    metrics_port_base: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -117,15 +124,22 @@ class FleetSpec:
             raise ValidationError("startup_timeout_s", "must be > 0")
         if self.grace_s < 0 or (self.stop_grace_s is not None and self.stop_grace_s < 0):
             raise ValidationError("grace_s", "must be >= 0")
-        num_workers = (
-            self.prefill_workers + self.decode_workers if self.disaggregated else self.workers
-        )
-        if self.worker_devices and len(self.worker_devices) != num_workers:
+        top = METRICS_SLOTS + self.num_workers - 1
+        if self.metrics_port_base is not None and not 0 < self.metrics_port_base < 65536 - top:
             raise ValidationError(
-                "worker_devices", f"{len(self.worker_devices)} devices for {num_workers} workers"
+                "metrics_port_base", f"must be in [1, {65535 - top}] (it and the {top} after it)"
+            )
+        if self.worker_devices and len(self.worker_devices) != self.num_workers:
+            raise ValidationError(
+                "worker_devices",
+                f"{len(self.worker_devices)} devices for {self.num_workers} workers",
             )
         if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
             raise ValidationError("restart_backoff_s", "must be > 0 and <= max_restart_backoff_s")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers if self.disaggregated else self.workers
 
 
 @dataclass
@@ -198,7 +212,19 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
     else:
         raise FleetStartError(f"port {spec.port} on {h} is in use (choose another with --port)")
 
-    def make(name: str, kind: str, port: int, args: list[str], role: str | None = None) -> Child:
+    def metrics_port(kind: str, bind: str, worker: int) -> int:
+        if spec.metrics_port_base is None:
+            return next(ports)
+        port = spec.metrics_port_base + METRICS_OFFSETS.get(kind, METRICS_SLOTS + worker)
+        if not _port_is_free(bind, port):
+            raise FleetStartError(
+                f"metrics port {port} on {bind} is in use (choose another --metrics-port-base)"
+            )
+        return port
+
+    def make(
+        name: str, kind: str, port: int, args: list[str], role: str | None = None, worker: int = 0
+    ) -> Child:
         bind = h if kind in _PUBLIC else ih
         tls = ["--tls-dir", spec.tls_dir] if spec.tls_dir and kind in _INTERNAL_TLS else []
         argv = [
@@ -210,7 +236,7 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
             "--port",
             str(port),
             "--metrics-port",
-            str(next(ports)),
+            str(metrics_port(kind, bind, worker)),
             *args,
             *tls,
             *(["--grace-s", str(spec.grace_s)] if kind in _DRAINING else []),
@@ -266,7 +292,7 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         else:
             mine = _own_gpus(engine, i)
         args += [*kv_args, *engine_argv(mine)]
-        workers.append(make(name, "worker", next(ports), args, role))
+        workers.append(make(name, "worker", next(ports), args, role, worker=i))
     gateways = []
     if spec.gateway:
         http = next(ports) if spec.http_port == 0 else spec.http_port

@@ -101,6 +101,16 @@ class Fleet:
         return f"http://{self.child('gateway').address}" if self.spec.gateway else None
 
     @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each child's Prometheus endpoint by name, in start order; the gateway's is its HTTP
+        port's /metrics, where the fleet's GIE gauges are (as a model server's, for a scraper
+        that looks there; its own metrics port serves the same)."""
+        return {
+            c.name: f"{self.http_url}/metrics" if c.kind == "gateway" else c.metrics_url
+            for c in self.children
+        }
+
+    @property
     def tokenizer_address(self) -> str:
         return self.child("tokenizer").address
 

@@ -123,6 +123,14 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="serve child restart counts here (0: any)"
     )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=None,
+        metavar="BASE",
+        help="the services' /metrics ports: kvstore BASE, tokenizer BASE+1, router BASE+2, "
+        "gateway BASE+3, worker i BASE+4+i (default: free ports; each is printed)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     engine = p.add_argument_group("the workers' engine (see python -m llmfleet.services.worker)")
     add_engine_flags(engine, skip=ENGINE_FLAGS)
@@ -153,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a fleet on this machine; Ctrl-C stops it",
         description="Start kvstore, tokenizer, router, workers and the OpenAI-compatible "
         "HTTP gateway as child processes, print `llmfleet: serving on HOST:PORT` (and the "
-        "gateway's URL on the next line) once every one is SERVING, stop them on SIGINT/SIGTERM.",
+        "gateway's URL on the next line, then `llmfleet: metrics of NAME on URL` per service) "
+        "once every one is SERVING, stop them on SIGINT/SIGTERM.",
     )
     _up_args(up)
     up.add_argument(

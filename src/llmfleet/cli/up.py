@@ -1,6 +1,7 @@
 """`llmfleet up`: start a fleet on this machine from the command line's arguments, print its
-endpoint (and the gateway's URL) on stdout once every child is SERVING, then run until
-SIGINT/SIGTERM or the end of `--chat`, starting again any child that exits (launcher.py,
+endpoint (and the gateway's URL) on stdout once every child is SERVING, then one line per child
+`llmfleet: metrics of NAME on URL` (its Prometheus endpoint; on stderr with `--chat`), then run
+until SIGINT/SIGTERM or the end of `--chat`, starting again any child that exits (launcher.py,
 supervisor.py; with `--no-restart` a child exiting stops the fleet instead); the fleet is drained
 and stopped on every way out. Exit status: 0 after a requested stop (or the chat's own status), 1
 when the fleet did not start or (`--no-restart`) a child exited; bad arguments raise
@@ -63,6 +64,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         grace_s=args.grace_s,
         supervise=not args.no_restart,
         metrics_port=args.metrics_port,
+        metrics_port_base=args.metrics_port_base,
     )
     session = None
     if args.chat:
@@ -116,6 +118,10 @@ def run(
         print(f"llmfleet: serving on {fleet.endpoint}", file=out, flush=True)
         if fleet.http_url is not None:
             print(f"llmfleet: OpenAI-compatible API on {fleet.http_url}/v1", file=out, flush=True)
+        # A chat owns stdout: the metrics lines go to stderr then.
+        listing = out if session is None else sys.stderr
+        for name, url in fleet.metrics_urls.items():
+            print(f"llmfleet: metrics of {name} on {url}", file=listing, flush=True)
         if fleet.metrics_url is not None:
             write_line(sys.stderr, f"llmfleet: child restarts on {fleet.metrics_url}")
         if session is not None:

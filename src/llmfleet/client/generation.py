@@ -47,7 +47,7 @@ from llmfleet.shared.wire.api_key_auth import auth_metadata
 from llmfleet.shared.wire.convert import model_info_from_pb
 from llmfleet.shared.wire.limits import pushback_s
 from llmfleet.shared.wire.tracing import metadata
-from llmfleet.v1 import generation_pb2, generation_pb2_grpc
+from llmfleet.v1 import embedding_pb2, generation_pb2, generation_pb2_grpc
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
 _CHANNEL_OPTIONS = [
@@ -116,6 +116,11 @@ class _Calls:
         md = [*(metadata() or ()), *auth, *extra]
         call = self._stub.Generate(req, timeout=timeout, metadata=md or None)
         return call, num_completions(req)
+
+    def _call_metadata(self, api_key: str | None) -> list[tuple[str, str]] | None:
+        """A unary call's metadata: the trace context and `api_key` (else the client's)."""
+        auth = auth_metadata(api_key) if api_key else self._auth
+        return [*(metadata() or ()), *auth] or None
 
     @staticmethod
     def _abort(request_id: str) -> _Unary:
@@ -222,6 +227,19 @@ class GenerationClient(_Calls):
     def server_info(self, *, timeout: float | None = 10.0) -> ServerInfo:
         return self._unary(self._server_info(), timeout)
 
+    def embed(
+        self,
+        request: embedding_pb2.EmbedRequest,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+    ) -> embedding_pb2.EmbedResponse:
+        """One Embed call (embedding.proto); ClientError on failure."""
+        try:
+            return self._stub.Embed(request, timeout=timeout, metadata=self._call_metadata(api_key))
+        except grpc.RpcError as exc:
+            raise _client_error(exc) from None
+
     def _unary(self, rpc: _Unary, timeout: float | None) -> Any:
         method, req, parse = rpc
         try:
@@ -293,6 +311,20 @@ class AsyncGenerationClient(_Calls):
 
     async def server_info(self, *, timeout: float | None = 10.0) -> ServerInfo:
         return await self._unary(self._server_info(), timeout)
+
+    async def embed(
+        self,
+        request: embedding_pb2.EmbedRequest,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+    ) -> embedding_pb2.EmbedResponse:
+        """One Embed call (embedding.proto); ClientError on failure."""
+        md = self._call_metadata(api_key)
+        try:
+            return await self._stub.Embed(request, timeout=timeout, metadata=md)
+        except grpc.RpcError as exc:
+            raise _client_error(exc) from None
 
     async def _unary(self, rpc: _Unary, timeout: float | None) -> Any:
         method, req, parse = rpc

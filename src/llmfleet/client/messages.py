@@ -10,9 +10,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.outputs import Completion, TokenLogprobs
+from llmfleet.shared.wire.chat import chat_messages_to_pb, tools_to_pb
 from llmfleet.shared.wire.convert import FINISH_FROM_PB, ROLE_FROM_PB, logprobs_from_pb
 from llmfleet.v1 import common_pb2, generation_pb2
 
@@ -69,7 +71,7 @@ class ServerInfo:
 def build_request(
     prompt: str | None = None,
     *,
-    messages: Sequence[Mapping[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     token_ids: Sequence[int] | None = None,
     raw: bool = False,
     n: int | None = None,
@@ -90,11 +92,17 @@ def build_request(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool | None = None,
     add_generation_prompt: bool | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
+    structured_output: common_pb2.StructuredOutput | None = None,
     request_id: str | None = None,
     cache_salt: str = "",
     session_id: str = "",
 ) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments; values are checked by the server."""
+    """The GenerateRequest for these arguments; values are checked by the server.
+
+    `messages` are {role, content} with, where set, `tool_calls` [{id, name, arguments}],
+    `tool_call_id` and `name`; `tools` ({name, description, parameters}) go with them to the
+    chat template (shared/wire/chat.py); `structured_output` constrains the output."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValidationError("prompt", "give exactly one of prompt, messages or token_ids")
     if isinstance(stop, str):
@@ -117,6 +125,10 @@ def build_request(
                 setattr(sampling, name, value)
             except (TypeError, ValueError) as exc:
                 raise ValidationError(name, f"bad value {value!r}: {exc}") from None
+    if structured_output is not None:
+        sampling.structured_output.CopyFrom(structured_output)
+    if tools and messages is None:
+        raise ValidationError("tools", "tools are offered with chat messages only")
     req = generation_pb2.GenerateRequest(
         request_id=request_id or "",
         sampling=sampling,
@@ -126,7 +138,9 @@ def build_request(
     if token_ids is not None:
         req.tokens.token_ids.extend(_token_ids("token_ids", token_ids))
     elif messages is not None:
-        chat = common_pb2.ChatPrompt(messages=_chat_messages(messages))
+        chat = common_pb2.ChatPrompt(
+            messages=chat_messages_to_pb(messages), tools=tools_to_pb(tools)
+        )
         if add_generation_prompt is not None:
             chat.add_generation_prompt = add_generation_prompt
         req.chat.CopyFrom(chat)
@@ -154,22 +168,6 @@ def _token_ids(name: str, values: Sequence[int]) -> list[int]:
         if not -(2**63) <= v < 2**63:
             raise ValidationError(f"{name}[{i}]", f"{v} is out of range")
         out.append(v)
-    return out
-
-
-def _chat_messages(messages: Sequence[Mapping[str, str]]) -> list[common_pb2.ChatMessage]:
-    if isinstance(messages, (str, bytes)):
-        raise ValidationError("messages", "must be a list of {role, content} messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValidationError(f"messages[{i}]", "must be a mapping with role and content")
-        role, content = m.get("role", ""), m.get("content", "")
-        if not isinstance(role, str):
-            raise ValidationError(f"messages[{i}].role", "must be a string")
-        if not isinstance(content, str):
-            raise ValidationError(f"messages[{i}].content", "must be a string")
-        out.append(common_pb2.ChatMessage(role=role, content=content))
     return out
 
 

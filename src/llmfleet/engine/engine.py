@@ -45,11 +45,13 @@ from llmfleet.engine.flops import (
 from llmfleet.engine.forward_pass import forward_pass, load_for
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
-from llmfleet.engine.memory import kv_cache_bytes
+from llmfleet.engine.memory import num_kv_blocks
 from llmfleet.engine.model_runner import kv_bytes_per_block
+from llmfleet.engine.pooling import Pooler
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
 from llmfleet.engine.sampler import SamplingRow
 from llmfleet.engine.scheduler import Scheduler
+from llmfleet.engine.structured import GrammarCache, MaskFiller, grammar_status, start_mask
 from llmfleet.models.loader import LoadedModel
 from llmfleet.models.simulated import SimulatedModel
 from llmfleet.shared.core.config import EngineConfig
@@ -85,11 +87,8 @@ class LLMEngine:
         self.model_shape: ModelShape | None = None  # for work estimates; None when simulated
         if not isinstance(self.model, SimulatedModel):
             self.model_shape = model_shape(self.model, config.torch_dtype.itemsize)
-        num_blocks = config.num_kv_blocks or max(
-            1,
-            kv_cache_bytes(config, self.model_shape, self.device, config.torch_dtype.itemsize)
-            // kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype),
-        )
+        block_bytes = kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype)
+        num_blocks = num_kv_blocks(config, self.model_shape, self.device, block_bytes)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -114,13 +113,16 @@ class LLMEngine:
         self.last_step_cost = StepCost()  # of the latest step (zero: it ran no batch)
         self.last_step_work = (0, 0)  # (prompt tokens, decoded sequences) of the latest step
         self.limits = SamplingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)
+        self.masks = MaskFiller(self.spec.vocab_size, self.device)  # structured output
         self.intake = RequestIntake(
             self.spec,
             self.limits,
             self.block_manager,
             max_model_len=self.max_model_len,
             device=self.device,
+            grammars=GrammarCache.of(loaded),
         )
+        self.pooler = Pooler.for_engine(self)  # embeddings (pooling.py)
         self._requests: dict[str, Request] = {}  # by sequence id
         self._groups: dict[str, list[Request]] = {}  # by client request id
         self._deferred: dict[str, list[Request]] = {}  # leader seq id -> siblings to admit
@@ -133,6 +135,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the ranks the forward pass runs on (tensor parallelism); no steps after it."""
+        self.masks.close()
         self.runner.close()
 
     # ---- admission -------------------------------------------------------------------------
@@ -144,16 +147,20 @@ class LLMEngine:
         *,
         cache_salt: str = "",
         prefill_only: bool = False,
+        num_replayed_tokens: int = 0,
     ) -> None:
         """Validate and queue a request. Raises ValidationError or CapacityError.
 
         `prefill_only` (n must be 1): the request stops after its first token and keeps its
         blocks pinned until `kv.release_pinned` (see the module docstring).
+        `num_replayed_tokens`: the prompt's last tokens are output generated elsewhere (a
+        migration), which a structured-output matcher accepts first.
         """
-        self.validate_request(request_id, prompt_token_ids, params)
+        self.validate_request(request_id, prompt_token_ids, params, num_replayed_tokens)
         if prefill_only and params.n != 1:
             raise ValidationError("sampling.n", "must be 1 for a prefill")
-        seqs = self.intake.sequences(request_id, prompt_token_ids, params, cache_salt)
+        replayed = num_replayed_tokens
+        seqs = self.intake.sequences(request_id, prompt_token_ids, params, cache_salt, replayed)
         for s in seqs:
             s.prefill_only = prefill_only
         self._groups[request_id] = seqs
@@ -168,11 +175,11 @@ class LLMEngine:
                     self.scheduler.add(s)
 
     def validate_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, replayed=0
     ) -> None:
         """Every check `add_request` makes; raises ValidationError or CapacityError."""
         in_use = request_id in self._groups or request_id in self.block_manager.req_blocks
-        self.intake.check(request_id, prompt_token_ids, params, in_use=in_use)
+        self.intake.check(request_id, prompt_token_ids, params, in_use=in_use, replayed=replayed)
 
     def start_decode(
         self,
@@ -196,6 +203,8 @@ class LLMEngine:
         self.validate_request(request_id, prompt_token_ids, params)
         self.intake.check_prefilled(prompt_token_ids, first_token_id, params, num_blocks)
         [req] = self.intake.sequences(request_id, prompt_token_ids, params, cache_salt)
+        if req.matcher is not None and not req.matcher.accept(first_token_id):
+            raise ValidationError("first_token_id", "does not match the structured output")
         self.intake.skip_first_draw(req)
         self.kv.hand_over(owner, request_id)
         req.num_computed_tokens = req.num_prompt_tokens
@@ -205,7 +214,7 @@ class LLMEngine:
         self._groups[request_id] = [req]
         self._requests[request_id] = req
         self.scheduler.add_running(req)
-        status = self._check_finished(req, first_token_id)
+        status = grammar_status(req, accepted=True) or self._check_finished(req, first_token_id)
         if status is not None:
             self._finish(req, status)
 
@@ -263,12 +272,8 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(
-            self.scheduler.num_unfinished
-            or self._deferred
-            or self._pending_outputs
-            or self._inflight is not None
-        )
+        pending = self._deferred or self._pending_outputs or self._inflight is not None
+        return bool(self.scheduler.num_unfinished or pending)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -289,7 +294,9 @@ class LLMEngine:
         if not sched:
             self.last_step_cost, self.last_step_work = StepCost(), (0, 0)
             return outputs
+        mask = start_mask(self.masks, sched)  # filled on a thread while the forward pass runs
         step = self.runner.execute(sched)  # on a GPU: queued, still running
+        self.pooler.collect(sched, self.runner.last_hidden)  # embeddings end here
         # Host work from here to the sampler overlaps the device's (the batch is read before
         # the bookkeeping below advances the requests).
         if self.model_shape is not None:
@@ -307,6 +314,8 @@ class LLMEngine:
         if not step.sampling_rows:
             return outputs
         reqs = [sched.scheduled[j].request for j in step.sampling_rows]
+        if mask is not None:
+            self.masks.apply(mask, step.logits)
         rows = [SamplingRow.of(req) for req in reqs]
         every_row = step.replayed and len(reqs) == len(sched.scheduled)
         if every_row and self.chain.may_chain(reqs, waiting=self.num_waiting > 0):
@@ -331,7 +340,7 @@ class LLMEngine:
                 continue
             lp = logprobs[r] if logprobs is not None else None
             req.append_output(token, lp)
-            status = self._check_finished(req, token)
+            status = grammar_status(req) or self._check_finished(req, token)
             if status is None and req.prefill_only:
                 status = RequestStatus.PREFILLED
             if status is not None:
@@ -373,18 +382,8 @@ class LLMEngine:
     # ---- stats -----------------------------------------------------------------------------
     @property
     def model_info(self) -> ModelInfo:
-        """The served model as the API reports it: the checkpoint's identity, this engine's
-        context length and sampling limits."""
-        return ModelInfo(
-            model_id=self.spec.model_id,
-            architecture=self.spec.architecture,
-            vocab_size=self.spec.vocab_size,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.spec.eos_token_ids,
-            max_n=self.limits.max_n,
-            max_logprobs=self.limits.max_logprobs,
-            block_size=self.block_manager.block_size,
-        )
+        """The served model as the API reports it (intake.py)."""
+        return self.intake.model_info()
 
     @property
     def num_free_blocks(self) -> int:

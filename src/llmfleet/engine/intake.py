@@ -9,7 +9,9 @@ also when the whole KV cache could never hold the request (no retry would help).
 A request with `n > 1` becomes n sequences `rid#0`.. (one sequence `rid` when n == 1), each
 with the request's stop ids (plus the model's eos ids unless `ignore_eos`), the hash context of
 its prefix-cache blocks (model id, cache salt) and, when seeded, its own generator on the
-engine's device seeded `seed + i`.
+engine's device seeded `seed + i`, and, with structured output, its own grammar matcher (which
+first accepts the prompt's last `num_replayed` tokens: output generated elsewhere before a
+migration).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.request import Request
+from llmfleet.engine.structured import GrammarCache
 from llmfleet.models.loader import ModelSpec
 from llmfleet.shared.core.block_hash import HashContext
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 
 
@@ -33,12 +37,28 @@ class RequestIntake:
         *,
         max_model_len: int,
         device: torch.device,
+        grammars: GrammarCache | None,  # None: structured output unsupported (simulated)
     ) -> None:
         self.spec = spec
+        self.grammars = grammars
         self.limits = limits
         self.block_manager = block_manager  # read for the cache's geometry only
         self.max_model_len = max_model_len
         self.device = device
+
+    def model_info(self) -> ModelInfo:
+        """The served model as the API reports it: the checkpoint's identity, this engine's
+        context length and sampling limits."""
+        return ModelInfo(
+            model_id=self.spec.model_id,
+            architecture=self.spec.architecture,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.spec.eos_token_ids,
+            max_n=self.limits.max_n,
+            max_logprobs=self.limits.max_logprobs,
+            block_size=self.block_manager.block_size,
+        )
 
     def check(
         self,
@@ -47,8 +67,10 @@ class RequestIntake:
         params: SamplingParams,
         *,
         in_use: bool,
+        replayed: int = 0,
     ) -> None:
-        """Raises ValidationError or CapacityError; `in_use`: the engine knows the id already."""
+        """Raises ValidationError or CapacityError; `in_use`: the engine knows the id already;
+        `replayed`: trailing prompt tokens that are output generated elsewhere."""
         if not request_id:
             raise ValidationError("request_id", "must not be empty")
         if in_use:
@@ -70,6 +92,17 @@ class RequestIntake:
         params.check_against(
             self.limits, num_prompt_tokens=len(prompt_token_ids), max_model_len=self.max_model_len
         )
+        if not 0 <= replayed < len(prompt_token_ids):
+            raise ValidationError(
+                "num_replayed_tokens",
+                f"must be in [0, {len(prompt_token_ids)}) for this prompt, got {replayed}",
+            )
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise ValidationError(
+                    "sampling.structured_output", "not supported by a simulated model"
+                )
+            self.grammars.compile(params.structured_output)  # a cache hit once compiled
         needed = self.block_manager.blocks_needed(len(prompt_token_ids) + params.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValidationError(
@@ -104,7 +137,9 @@ class RequestIntake:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str,
+        num_replayed: int = 0,
     ) -> list[Request]:
+        """The sequences of a request that passed `check`."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)
@@ -127,6 +162,10 @@ class RequestIntake:
                     index=i,
                 )
             )
+        if params.structured_output is not None and self.grammars is not None:
+            replay = prompt_token_ids[len(prompt_token_ids) - num_replayed :]
+            for s in seqs:
+                s.matcher = self.grammars.matcher(params.structured_output, replay)
         return seqs
 
     def skip_first_draw(self, req: Request) -> None:

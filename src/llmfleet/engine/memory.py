@@ -79,3 +79,13 @@ def kv_cache_bytes(
             f"{free / GiB:.1f} GiB is free"
         )
     return budget
+
+
+def num_kv_blocks(
+    config: EngineConfig, shape: ModelShape | None, device: torch.device, block_bytes: int
+) -> int:
+    """The KV cache's block count: `config.num_kv_blocks`, else `kv_cache_bytes` worth of
+    blocks of `block_bytes` (at least one); `config` is resolved."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    return max(1, kv_cache_bytes(config, shape, device, config.torch_dtype.itemsize) // block_bytes)

@@ -107,6 +107,10 @@ class ModelRunner:
         # The captured decode graphs (in CPU tests: the same padded path, run eagerly).
         self.decode_graphs: PaddedDecoder | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: KV reads to the host
+        # The latest eager step's (num_tokens, hidden) final-norm hidden states, kept only when
+        # it ran an embedding's tokens (`keep_hidden`), for the engine's pooler; else None.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode batches of up to `max_batch_size` sequences whose
@@ -210,7 +214,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
-        if self.decode_graphs is not None and all(s.num_new_tokens == 1 for s in sched.scheduled):
+        self.keep_hidden = any(s.request.pooling is not None for s in sched.scheduled)
+        graphable = not self.keep_hidden and all(s.num_new_tokens == 1 for s in sched.scheduled)
+        if self.decode_graphs is not None and graphable:
             step = self._replay_decode(sched, self.decode_graphs)
             if step is not None:
                 return step
@@ -238,6 +244,7 @@ class ModelRunner:
         ids_t = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
+        self.last_hidden = hidden if self.keep_hidden else None
         sample_tokens = batch.sample_tokens
         if not sample_tokens:
             return hidden.new_empty((0, self.spec.vocab_size))

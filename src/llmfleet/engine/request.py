@@ -17,11 +17,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from llmfleet.shared.core.block_hash import ROOT_HASH, HashContext, hash_block_chain
 from llmfleet.shared.core.outputs import TokenLogprobs
+from llmfleet.shared.core.pooling_params import PoolingParams
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 
@@ -62,6 +64,10 @@ class Request:
     index: int = 0  # which of the n completions
     arrival_time: float = field(default_factory=time.monotonic)
     prefill_only: bool = False  # stop after the first token, keeping the blocks (see engine)
+    # Structured output: the request's grammar matcher (engine/structured.py's `Matcher`), which
+    # has accepted every output token; None when unconstrained.
+    matcher: Any = None
+    pooling: PoolingParams | None = None  # an embedding: pooled, never sampled (pooling.py)
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

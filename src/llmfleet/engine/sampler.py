@@ -27,9 +27,11 @@ sampled step, none for a greedy step), so the same seed gives the same tokens wh
 in the batch; the generator must live on the logits' device and its state is the request's.
 Rows without one share one batched draw from the global RNG.
 
-Logprobs describe the model, not the sampling: they come from `log_softmax` of the raw logits,
-before penalties, masking and temperature. `rank` is 1 + the number of tokens strictly more
-likely than the sampled one.
+Logprobs describe the model, not the sampling: they come from `log_softmax` of the logits as
+given, before penalties, min_tokens masking and temperature. A structured-output row's logits
+arrive with the grammar's disallowed tokens at -inf (engine/structured.py), so its logprobs are
+those of the grammar-masked distribution, as vLLM reports them. `rank` is 1 + the number of
+tokens strictly more likely than the sampled one.
 
 Cost: when every row is greedy with no penalty, no active min_tokens mask and no logprobs, a
 step is one `argmax` over the batch. Penalties build their `(P, V)` count tensors with one
@@ -108,10 +110,12 @@ class Sampler:
 
 def device_only(params: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
     """Whether a row samples from its logits alone: no penalty (they count the output tokens
-    on the host), no logprobs (read back), no min_tokens mask at this output length. Such rows
-    can sample before their latest token is known on the host."""
+    on the host), no logprobs (read back), no min_tokens mask at this output length, no
+    structured output (its grammar mask follows the latest token). Such rows can sample before
+    their latest token is known on the host."""
     return (
         params.logprobs is None
+        and params.structured_output is None
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0

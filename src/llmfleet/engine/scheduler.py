@@ -26,9 +26,11 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """This step brings the request to its last token, so its logits are sampled."""
+        """This step brings the request to its last token, so its logits are sampled (never
+        an embedding's: its hidden states are pooled instead)."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        last = req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        return last and req.pooling is None
 
 
 @dataclass

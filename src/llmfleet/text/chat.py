@@ -15,12 +15,14 @@ from typing import Any
 import jinja2
 
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.text.tool_prompt import shape_for_template, template_support
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
-def validate_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    """Check roles and contents; returns plain dicts as the chat template expects them."""
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles, contents and tool calls; returns plain dicts ({role, content} and, where
+    set, `tool_calls` [{id, name, arguments}], `tool_call_id`, `name`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValidationError("messages", "must be a list of messages")
     if not messages:
@@ -36,20 +38,48 @@ def validate_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, s
             )
         if not isinstance(message.get("content"), str):
             raise ValidationError(f"messages[{i}].content", "must be a string")
-        checked.append(dict(message))
+        out: dict[str, Any] = {"role": role, "content": message["content"]}
+        calls = message.get("tool_calls") or ()
+        if calls and role != "assistant":
+            raise ValidationError(f"messages[{i}].tool_calls", "only assistant messages have them")
+        for j, call in enumerate(calls):
+            if not isinstance(call, Mapping) or not call.get("name"):
+                raise ValidationError(f"messages[{i}].tool_calls[{j}]", "must name a function")
+            if not isinstance(call.get("arguments", ""), str):
+                raise ValidationError(
+                    f"messages[{i}].tool_calls[{j}].arguments", "must be JSON text"
+                )
+        if calls:
+            out["tool_calls"] = [dict(c) for c in calls]
+        for key in ("tool_call_id", "name"):
+            if message.get(key):
+                out[key] = message[key]
+        checked.append(out)
     return checked
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """The prompt text the model's chat template makes of `messages`."""
+    """The prompt text the model's chat template makes of `messages` and `tools` ({name,
+    description, parameters}); tool_prompt.py shapes them for templates that ignore tools."""
     checked = validate_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ValidationError("messages", "model has no chat template")
+    if not isinstance(template, str):  # several named templates: the default one
+        template = template.get("default", "") if isinstance(template, Mapping) else ""
+    shaped, template_tools = shape_for_template(template_support(template), checked, tools)
     try:
         return tokenizer.apply_chat_template(
-            checked, tokenize=False, add_generation_prompt=add_generation_prompt
+            shaped,
+            tools=template_tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except jinja2.TemplateError as e:
         # Templates reject conversations they cannot render with raise_exception(...), e.g.
@@ -58,10 +88,16 @@ def render_chat(
 
 
 def tokenize_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[int]:
     """Token ids of `render_chat(...)`, with the tokenizer's BOS exactly once if it uses one."""
-    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    text = render_chat(
+        tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools
+    )
     return encode_rendered(tokenizer, text)
 
 

@@ -23,37 +23,38 @@ _sym_db = _symbol_database.Default()
 
 
 from llmfleet.v1 import common_pb2 as llmfleet_dot_v1_dot_common__pb2
+from llmfleet.v1 import embedding_pb2 as llmfleet_dot_v1_dot_embedding__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmfleet/v1/generation.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x06tokens\x18\x03 \x01(\x0b\x32\x18.llmfleet.v1.TokenPromptH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.llmfleet.v1.ChatPromptH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\xe7\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.llmfleet.v1.PositionLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmfleet.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"w\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x1c.llmfleet.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmfleet.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"=\n\x14GetModelInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.llmfleet.v1.ModelInfo\"\x16\n\x14GetServerInfoRequest\"\xb8\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.llmfleet.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12%\n\x04load\x18\x04 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\x12\x1f\n\x12num_indexed_blocks\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x15\n\x13_num_indexed_blocks\"z\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.llmfleet.v1.WorkerStatus2\xc4\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmfleet.v1.GenerateRequest\x1a\x1d.llmfleet.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmfleet.v1.AbortRequest\x1a\x1a.llmfleet.v1.AbortResponse\x12S\n\x0cGetModelInfo\x12 .llmfleet.v1.GetModelInfoRequest\x1a!.llmfleet.v1.GetModelInfoResponse\x12V\n\rGetServerInfo\x12!.llmfleet.v1.GetServerInfoRequest\x1a\".llmfleet.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmfleet/v1/generation.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\x1a\x1bllmfleet/v1/embedding.proto\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x06tokens\x18\x03 \x01(\x0b\x32\x18.llmfleet.v1.TokenPromptH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.llmfleet.v1.ChatPromptH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\xe7\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.llmfleet.v1.PositionLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmfleet.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x1a\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"w\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x1c.llmfleet.v1.CompletionDelta\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmfleet.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"=\n\x14GetModelInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.llmfleet.v1.ModelInfo\"\x16\n\x14GetServerInfoRequest\"\xb8\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.llmfleet.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12%\n\x04load\x18\x04 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\x12\x1f\n\x12num_indexed_blocks\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x15\n\x13_num_indexed_blocks\"z\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.llmfleet.v1.WorkerStatus2\x84\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmfleet.v1.GenerateRequest\x1a\x1d.llmfleet.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmfleet.v1.AbortRequest\x1a\x1a.llmfleet.v1.AbortResponse\x12S\n\x0cGetModelInfo\x12 .llmfleet.v1.GetModelInfoRequest\x1a!.llmfleet.v1.GetModelInfoResponse\x12V\n\rGetServerInfo\x12!.llmfleet.v1.GetServerInfoRequest\x1a\".llmfleet.v1.GetServerInfoResponse\x12>\n\x05\x45mbed\x12\x19.llmfleet.v1.EmbedRequest\x1a\x1a.llmfleet.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmfleet.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENPROMPT']._serialized_start=71
-  _globals['_TOKENPROMPT']._serialized_end=103
-  _globals['_GENERATEREQUEST']._serialized_start=106
-  _globals['_GENERATEREQUEST']._serialized_end=341
-  _globals['_COMPLETIONDELTA']._serialized_start=344
-  _globals['_COMPLETIONDELTA']._serialized_end=575
-  _globals['_GENERATERESPONSE']._serialized_start=577
-  _globals['_GENERATERESPONSE']._serialized_end=696
-  _globals['_ABORTREQUEST']._serialized_start=698
-  _globals['_ABORTREQUEST']._serialized_end=732
-  _globals['_ABORTRESPONSE']._serialized_start=734
-  _globals['_ABORTRESPONSE']._serialized_end=764
-  _globals['_GETMODELINFOREQUEST']._serialized_start=766
-  _globals['_GETMODELINFOREQUEST']._serialized_end=787
-  _globals['_GETMODELINFORESPONSE']._serialized_start=789
-  _globals['_GETMODELINFORESPONSE']._serialized_end=850
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=852
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=874
-  _globals['_WORKERSTATUS']._serialized_start=877
-  _globals['_WORKERSTATUS']._serialized_end=1061
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1063
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1185
-  _globals['_GENERATION']._serialized_start=1188
-  _globals['_GENERATION']._serialized_end=1512
+  _globals['_TOKENPROMPT']._serialized_start=100
+  _globals['_TOKENPROMPT']._serialized_end=132
+  _globals['_GENERATEREQUEST']._serialized_start=135
+  _globals['_GENERATEREQUEST']._serialized_end=370
+  _globals['_COMPLETIONDELTA']._serialized_start=373
+  _globals['_COMPLETIONDELTA']._serialized_end=604
+  _globals['_GENERATERESPONSE']._serialized_start=606
+  _globals['_GENERATERESPONSE']._serialized_end=725
+  _globals['_ABORTREQUEST']._serialized_start=727
+  _globals['_ABORTREQUEST']._serialized_end=761
+  _globals['_ABORTRESPONSE']._serialized_start=763
+  _globals['_ABORTRESPONSE']._serialized_end=793
+  _globals['_GETMODELINFOREQUEST']._serialized_start=795
+  _globals['_GETMODELINFOREQUEST']._serialized_end=816
+  _globals['_GETMODELINFORESPONSE']._serialized_start=818
+  _globals['_GETMODELINFORESPONSE']._serialized_end=879
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=881
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=903
+  _globals['_WORKERSTATUS']._serialized_start=906
+  _globals['_WORKERSTATUS']._serialized_end=1090
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1092
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1214
+  _globals['_GENERATION']._serialized_start=1217
+  _globals['_GENERATION']._serialized_end=1605
 # @@protoc_insertion_point(module_scope)

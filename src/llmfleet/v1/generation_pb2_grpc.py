@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from llmfleet.v1 import embedding_pb2 as llmfleet_dot_v1_dot_embedding__pb2
 from llmfleet.v1 import generation_pb2 as llmfleet_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,11 @@ class GenerationStub:
                 request_serializer=llmfleet_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=llmfleet_dot_v1_dot_generation__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmfleet.v1.Generation/Embed',
+                request_serializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -89,6 +95,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of one or more inputs (embedding.proto): INVALID_ARGUMENT names the field
+        (`inputs[i]`, `dimensions`), RESOURCE_EXHAUSTED when the fleet is full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=llmfleet_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
                     response_serializer=llmfleet_dot_v1_dot_generation__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedRequest.FromString,
+                    response_serializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Generation:
             '/llmfleet.v1.Generation/GetServerInfo',
             llmfleet_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
             llmfleet_dot_v1_dot_generation__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmfleet.v1.Generation/Embed',
+            llmfleet_dot_v1_dot_embedding__pb2.EmbedRequest.SerializeToString,
+            llmfleet_dot_v1_dot_embedding__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
 from llmfleet.v1 import common_pb2 as _common_pb2
+from llmfleet.v1 import embedding_pb2 as _embedding_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddRequestRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "reply_endpoint")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "reply_endpoint", "num_replayed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     REPLY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     reply_endpoint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., reply_endpoint: _Optional[str] = ...) -> None: ...
+    num_replayed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., reply_endpoint: _Optional[str] = ..., num_replayed_tokens: _Optional[int] = ...) -> None: ...
 
 class AddRequestResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)

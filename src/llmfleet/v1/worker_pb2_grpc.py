@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from llmfleet.v1 import embedding_pb2 as llmfleet_dot_v1_dot_embedding__pb2
 from llmfleet.v1 import worker_pb2 as llmfleet_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -86,6 +87,11 @@ class WorkerStub:
                 request_serializer=llmfleet_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=llmfleet_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmfleet.v1.Worker/Embed',
+                request_serializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -159,6 +165,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Unified and prefill roles: embed token-id inputs (embedding.proto); no KV is kept after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +214,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=llmfleet_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=llmfleet_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedRequest.FromString,
+                    response_serializer=llmfleet_dot_v1_dot_embedding__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +449,33 @@ class Worker:
             '/llmfleet.v1.Worker/ReleaseKV',
             llmfleet_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             llmfleet_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmfleet.v1.Worker/Embed',
+            llmfleet_dot_v1_dot_embedding__pb2.EmbedRequest.SerializeToString,
+            llmfleet_dot_v1_dot_embedding__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

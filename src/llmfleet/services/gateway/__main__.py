@@ -33,6 +33,21 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="larger request bodies get 413 unread (default 16 MiB)",
     )
+    p.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=None,
+        help="/v1/responses kept for GET and previous_response_id (default 10000; 0: none)",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=None,
+        help="their total JSON size (default 256 MiB; the oldest leave first)",
+    )
+    p.add_argument(
+        "--responses-store-ttl-s", type=float, default=None, help="how long each is kept (3600)"
+    )
     add_api_key_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 

@@ -4,11 +4,12 @@
     uvicorn.run(app, port=8000)
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health
-(200 once the router reports a model, else 503), GET /metrics (Prometheus). Every error,
-including malformed bodies and unknown routes, is answered in OpenAI's error shape
-(errors.py); a body over `max_request_bytes` is a 413 before it is read (body_limit.py). A
-request names the served model or gets a 404; each becomes exactly one Generate call whose gRPC
-request id is the response's `id`.
+(200 once the router reports a model, else 503), GET /metrics (Prometheus); the Responses API
+(responses.py), Anthropic's Messages (anthropic.py) and /v1/embeddings (embeddings.py) install
+their own. Every error, including malformed bodies and unknown routes, is answered in OpenAI's
+error shape (errors.py; Anthropic's under /v1/messages); a body over `max_request_bytes` is a
+413 before it is read (body_limit.py). A request names the served model or gets a 404; each
+becomes exactly one Generate call (generation.py) whose gRPC request id is the response's `id`.
 """
 
 from __future__ import annotations
@@ -16,35 +17,33 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmfleet.client.generation import ClientError
-from llmfleet.services.gateway import convert
-from llmfleet.services.gateway.auth import ApiKeyMiddleware, caller_key
+from llmfleet.services.gateway import anthropic, convert, embeddings, responses
+from llmfleet.services.gateway.auth import ApiKeyMiddleware
 from llmfleet.services.gateway.body_limit import BodyLimitMiddleware
-from llmfleet.services.gateway.convert import Call
-from llmfleet.services.gateway.errors import APIError, from_client_error, from_validation, invalid
+from llmfleet.services.gateway.errors import APIError, invalid
+from llmfleet.services.gateway.fleet_metrics import FleetGauges, router_load
+from llmfleet.services.gateway.generation import context_left, run
 from llmfleet.services.gateway.metrics import MetricsMiddleware
 from llmfleet.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from llmfleet.services.gateway.streaming import ChunkBuilder, DisconnectWatch, sse
-from llmfleet.services.gateway.tracing import end_request_span, ending_with, start_request_span
+from llmfleet.services.gateway.streaming import ChunkShape
 from llmfleet.services.gateway.upstream import ServedModel, Upstream
 from llmfleet.shared.core.config import AuthConfig, GatewayConfig
-from llmfleet.shared.core.errors import ValidationError
-from llmfleet.shared.wire.worker_pin import WORKER_PIN_KEY
 
 logger = logging.getLogger(__name__)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES += responses.ROUTES + anthropic.ROUTES
+ROUTES += embeddings.ROUTES
 # FastAPI >= 0.16x traces every request itself (health checks included) once a tracer provider
 # is set; the gateway makes its own span, for generation requests only (tracing.py).
 _NO_NATIVE_TELEMETRY: dict[str, Any] = (
@@ -82,6 +81,9 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(MetricsMiddleware, endpoints=ROUTES)
     _install_error_handlers(app)
+    responses.install(app, config)  # /v1/responses
+    anthropic.install(app)  # /v1/messages
+    embeddings.install(app)  # /v1/embeddings
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -89,14 +91,22 @@ def create_app(
         served = await up.require(body.model)
         call = convert.chat_call(body)
         if call.kwargs["max_tokens"] is None:
-            call.kwargs["max_tokens"] = await _context_left(up, served, call)
-        return await _generate(call, served, up, request)
+            call.kwargs["max_tokens"] = await context_left(
+                up,
+                served,
+                call.kwargs["messages"],
+                call.params,
+                add_generation_prompt=call.kwargs["add_generation_prompt"],
+                tools=call.kwargs.get("tools", ()),
+            )
+        return await run(call, served, up, request, ChunkShape(call, served.name, up.speller))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         up: Upstream = request.app.state.upstream
         served = await up.require(body.model)
-        return await _generate(convert.completion_call(body), served, up, request)
+        call = convert.completion_call(body)
+        return await run(call, served, up, request, ChunkShape(call, served.name, up.speller))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
@@ -107,11 +117,12 @@ def create_app(
     async def get_model(model: str, request: Request) -> dict[str, Any]:
         return _model_card(await request.app.state.upstream.require(model))
 
+    # The fleet's load under GIE's names, with the gateway's own metrics (fleet_metrics.py).
+    gauges = app.state.fleet_gauges = FleetGauges(lambda: router_load(app.state.upstream))
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(
-            prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST
-        )
+        return Response(await gauges.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -133,98 +144,6 @@ def _model_card(served: ServedModel) -> dict[str, Any]:
         "root": served.info.model_id,
         "max_model_len": served.info.max_model_len,
     }
-
-
-async def _context_left(up: Upstream, served: ServedModel, call: Call) -> int:
-    """Chat's default max_tokens: the context the rendered prompt leaves."""
-    try:
-        num = await asyncio.to_thread(
-            up.speller.chat_prompt_len,
-            call.kwargs["messages"],
-            add_generation_prompt=call.kwargs["add_generation_prompt"],
-            max_num_tokens=served.info.max_model_len,
-        )
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-    return convert.default_max_tokens(num, served.info.max_model_len)
-
-
-# Names a request's conversation: its turns prefer the worker that served the last (over the
-# body's `user`, which names it otherwise).
-SESSION_HEADER = "x-session-id"
-
-
-async def _generate(call: Call, served: ServedModel, up: Upstream, request: Request) -> Response:
-    """`_answer` under the request's span (tracing.py), which a stream ends when it ends."""
-    if session := request.headers.get(SESSION_HEADER):  # the conversation, a routing hint
-        call.kwargs["session_id"] = session
-    span = start_request_span(request, call, served.name)
-    try:
-        with trace.use_span(span, end_on_exit=False):
-            response = await _answer(call, served, up, request)
-    except APIError as exc:
-        end_request_span(span, exc.status)
-        raise
-    except BaseException:
-        end_request_span(span, 500)
-        raise
-    if isinstance(response, StreamingResponse):
-        response.body_iterator = ending_with(response.body_iterator, span, response.status_code)
-    else:
-        end_request_span(span, response.status_code)
-    return response
-
-
-def worker_pin(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The worker an endpoint picker named for this request (`x-llmfleet-worker`), relayed to
-    the router as call metadata: a routing hint (shared/wire/worker_pin.py)."""
-    worker = headers.get(WORKER_PIN_KEY, "").strip()
-    if not (worker and worker.isascii() and worker.isprintable()):  # (gRPC metadata is ASCII)
-        return []
-    return [(WORKER_PIN_KEY, worker)]
-
-
-async def _answer(call: Call, served: ServedModel, up: Upstream, request: Request) -> Response:
-    """Run one Generate call: the whole answer, or an SSE stream once the first delta is in
-    (so that errors before it still get their HTTP status)."""
-    try:
-        stream = up.client.stream(
-            request_id=call.request_id,
-            timeout=up.config.request_timeout_s,
-            api_key=caller_key(request.headers),  # the router checks it and salts by tenant
-            metadata=worker_pin(request.headers),
-            **call.kwargs,
-        )
-    except ValidationError as exc:
-        raise from_validation(exc, call.params) from None
-    watch = DisconnectWatch(request.receive, stream.cancel)
-    deltas = aiter(stream)
-    handed_over = False
-    try:
-        first = await anext(deltas, None)
-        if call.stream:
-            builder = ChunkBuilder(call, served.name, up.speller)
-            body = sse(builder, stream, deltas, first, watch)
-            handed_over = True
-            return StreamingResponse(
-                body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        async for _ in deltas:
-            pass
-        return JSONResponse(convert.response(call, served.name, stream.result, up.speller))
-    except ClientError as exc:
-        if exc.code_name == "CANCELLED" and watch.disconnected:
-            return Response(status_code=499)
-        raise from_client_error(exc, call.params) from None
-    except asyncio.CancelledError:
-        if not watch.cancelled_us():
-            raise
-        logger.info("%s: the client disconnected; request cancelled", call.request_id)
-        return Response(status_code=499)  # nobody reads it
-    finally:
-        if not handed_over:
-            watch.close()
-            stream.cancel()
 
 
 # ---- errors -------------------------------------------------------------------------------

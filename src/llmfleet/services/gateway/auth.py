@@ -2,10 +2,11 @@
 
 With keys configured (AuthConfig), every route but `/health` and `/metrics` needs
 `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's); anything
-else is a 401 in OpenAI's error shape, before the body is read. The caller's key is forwarded
-to the router as gRPC `authorization` metadata with its Generate call (`caller_key`), so the
-router checks it again and derives the tenant (its prefix-cache salt) itself; the gateway's own
-calls (GetModelInfo for /health and /v1/models) carry a configured key of the gateway's.
+else is a 401 in OpenAI's error shape (Anthropic's under /v1/messages), before the body is
+read. The caller's key is forwarded to the router as gRPC `authorization` metadata with its
+Generate call (`caller_key`), so the router checks it again and derives the tenant (its
+prefix-cache salt) itself; the gateway's own calls (GetModelInfo for /health and /v1/models)
+carry a configured key of the gateway's.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from llmfleet.services.gateway.anthropic_convert import error_response
 from llmfleet.services.gateway.errors import APIError
 from llmfleet.shared.core.api_keys import KeyRing, bearer_secret
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+ANTHROPIC_PATHS = "/v1/messages"  # answered in Anthropic's error shape (anthropic_convert.py)
 
 
 def caller_key(headers: Mapping[str, str]) -> str | None:
@@ -50,6 +53,8 @@ class ApiKeyMiddleware:
         if self.keys.tenant_of(key) is not None:
             await self.app(scope, receive, send)
             return
-        response = unauthorized(key is not None).response()
+        error = unauthorized(key is not None)
+        anthropic = scope["path"].startswith(ANTHROPIC_PATHS)
+        response = error_response(error) if anthropic else error.response()
         response.headers["www-authenticate"] = "Bearer"
         await response(scope, receive, send)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmfleet.client.messages import GenerateResult, Usage
-from llmfleet.services.gateway.errors import invalid
+from llmfleet.services.gateway import guided
+from llmfleet.services.gateway.chat_tools import call_in, tool_call_out, tools_finish_reason
+from llmfleet.services.gateway.errors import from_validation, invalid
 from llmfleet.services.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -23,9 +25,19 @@ from llmfleet.services.gateway.protocol import (
     Endpoint,
 )
 from llmfleet.services.gateway.tokens import TokenSpeller
+from llmfleet.services.gateway.tools import (
+    ToolCallParser,
+    parse_tool_choice,
+    parse_tools,
+    tool_constraint,
+    tool_stream,
+)
+from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.outputs import Completion, TokenLogprobs
 
 _INT64_MAX = (1 << 63) - 1
+# The tool-call format read from "auto" output (tool_parsers.py's registry).
+TOOL_CALL_PARSER = "hermes"
 
 
 @dataclass
@@ -40,6 +52,15 @@ class Call:
     # Sampling field -> the OpenAI parameter this request set it with, for error messages.
     params: dict[str, str] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Chat with tools: "none" | "auto" | "required" | {"type": "function", "function": {name}}.
+    tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """A new parser of one completion's tool calls; None when output is text only."""
+        if self.endpoint != "chat" or self.tool_choice == "none":
+            return None
+        return tool_stream(self.tool_choice, self.parallel_tool_calls, TOOL_CALL_PARSER)
 
     @property
     def n(self) -> int:
@@ -96,8 +117,31 @@ def _common(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     }
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as {role, content} strings: text parts joined, "developer" read as "system"."""
+def _constrained(
+    req: ChatCompletionRequest | CompletionRequest,
+    kwargs: dict[str, Any],
+    params: dict[str, str],
+    tool_so: Any = None,
+    tool_param: str = "tool_choice",
+) -> None:
+    """Sets kwargs["structured_output"] from the body's constraint or the tools' (not both)."""
+    try:
+        so, param = guided.structured_output(req)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    if so is not None and tool_so is not None:
+        forced = getattr(req, "tool_choice", None)
+        raise invalid(param, f"{param} cannot be combined with tool_choice {forced!r}")
+    if tool_so is not None:
+        so, param = tool_so, tool_param
+    if so is not None and param is not None:
+        kwargs["structured_output"] = so
+        params.update(guided.error_params(param))
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as {role, content} strings ("developer" read as "system", text parts joined),
+    with an assistant turn's `tool_calls` [{id, name, arguments}] and a tool's `tool_call_id`."""
     out = []
     for i, m in enumerate(messages):
         if m.content is None:
@@ -116,17 +160,26 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
                     )
                 parts.append(part.text)
             text = "".join(parts)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise invalid(f"messages[{i}].tool_calls", "only assistant messages have them")
+            where = f"messages[{i}].tool_calls"
+            msg["tool_calls"] = [call_in(c, f"{where}[{j}]") for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise invalid(f"messages[{i}].tool_call_id", "a tool message must name its call")
+            msg["tool_call_id"] = m.tool_call_id
+            if m.name:
+                msg["name"] = m.name
+        out.append(msg)
     return out
 
 
 def chat_call(req: ChatCompletionRequest) -> Call:
     """The Generate call of a chat request; `kwargs["max_tokens"]` is None when the client left
     it to the context length (the caller fills it in from the prompt's length)."""
-    if req.tools and req.tool_choice != "none":
-        raise invalid("tools", "tool calling is not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise invalid("response_format", "only the text response format is supported")
     if req.top_logprobs and not req.logprobs:  # top_logprobs=0 alone asks for nothing
         raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     kwargs = _common(req)
@@ -140,7 +193,25 @@ def chat_call(req: ChatCompletionRequest) -> Call:
         params["logprobs"] = "top_logprobs" if req.top_logprobs is not None else "logprobs"
     kwargs["messages"] = chat_messages(req.messages)
     kwargs["add_generation_prompt"] = req.add_generation_prompt
-    return _call("chat", "chatcmpl", req, kwargs, params)
+    try:
+        tools = parse_tools(req.tools or [])
+        choice = parse_tool_choice(req.tool_choice, tools)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    # With tool_choice "none" the tools are still rendered (see tools.py), never parsed.
+    kwargs["tools"] = [
+        {"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools
+    ]
+    if choice not in ("none", "auto", "required"):
+        choice_form: str | dict[str, Any] = {"type": "function", "function": {"name": choice}}
+    else:
+        choice_form = choice
+    tool_so = tool_constraint(tools, choice_form, req.parallel_tool_calls) if tools else None
+    _constrained(req, kwargs, params, tool_so, "tools")
+    call = _call("chat", "chatcmpl", req, kwargs, params)
+    call.tool_choice = choice_form
+    call.parallel_tool_calls = req.parallel_tool_calls
+    return call
 
 
 def _prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> dict[str, Any]:
@@ -165,11 +236,13 @@ def completion_call(req: CompletionRequest) -> Call:
     if req.best_of is not None and req.best_of != req.n:
         raise invalid("best_of", "best_of other than n is not supported")
     kwargs = {**_common(req), **_prompt(req.prompt)}
+    params: dict[str, str] = {}
+    _constrained(req, kwargs, params)
     if req.max_tokens is not None:
         kwargs["max_tokens"] = req.max_tokens  # else the server's default (16, as OpenAI's)
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
-    return _call("completions", "cmpl", req, kwargs)
+    return _call("completions", "cmpl", req, kwargs, params)
 
 
 def default_max_tokens(num_prompt_tokens: int, max_model_len: int) -> int:
@@ -239,11 +312,20 @@ def completion_logprobs(
 
 
 def _chat_choice(c: Completion, call: Call, speller: TokenSpeller) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish_reason = c.finish_reason
+    parser = call.tool_parser()
+    if parser is not None:
+        content, calls = parser.parse(c.text)
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [tool_call_out(tc) for tc in calls]
+        finish_reason = tools_finish_reason(finish_reason, calls)
     return {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
+        "message": message,
         "logprobs": chat_logprobs(c.logprobs, speller) if call.logprobs else None,
-        "finish_reason": c.finish_reason,
+        "finish_reason": finish_reason,
     }
 
 

@@ -2,14 +2,16 @@
 
 Field names, types and defaults follow OpenAI's Chat Completions and (legacy) Completions APIs,
 plus the sampling extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids`, ...). Only shapes and types are checked here; value ranges are the
-router's to check (one source of truth: `SamplingParams`), and its INVALID_ARGUMENT errors come
-back as 400s naming the OpenAI parameter.
+`min_tokens`, `stop_token_ids`, ...) and vLLM's constraints (`guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`, and their newer form `structured_outputs`). Only shapes and
+types are checked here; value ranges are the router's to check (one source of truth:
+`SamplingParams`), and its INVALID_ARGUMENT errors come back as 400s naming the OpenAI
+parameter.
 
 Unknown fields are ignored, as vLLM does: clients send vendor extras freely. Known OpenAI
-features this server does not implement (tools, logit_bias, echo, ...) are rejected by
-`convert.check_supported` with a 400 naming the field rather than silently ignored, because
-ignoring them would change the meaning of the request.
+features this server does not implement (logit_bias, echo, ...) are rejected by convert.py
+with a 400 naming the field rather than silently ignored, because ignoring them would change
+the meaning of the request.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class ChatMessage(_Body):
     # that only carried tool calls.
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant turn's calls ([{id, type: "function", function: {name, arguments}}]) and a
+    # tool message's answer to one.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class _Sampling(_Body):
@@ -67,6 +73,13 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Output constraints (at most one): OpenAI's and vLLM's (guided.py).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -76,7 +89,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extra
 
 

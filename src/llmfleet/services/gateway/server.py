@@ -7,6 +7,7 @@ with the gRPC channel, and the process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -53,8 +54,12 @@ async def serve(
     tokenizer failed to load; uvicorn has logged why)."""
     setup_tracing("gateway")  # OTEL_* variables; a bad value stops the start, naming it
     server = build_server(config, tokenizer=tokenizer, auth=auth)
-    if config.metrics_port is not None:
-        httpd, _ = prometheus_client.start_http_server(config.metrics_port, addr=config.host)
+    if config.metrics_port is not None:  # the same body as the HTTP port's /metrics
+        gauges = server.config.app.app.state.fleet_gauges  # DrainGate(FastAPI app)
+        gauges.bind(asyncio.get_running_loop())
+        httpd, _ = prometheus_client.start_http_server(
+            config.metrics_port, addr=config.host, registry=gauges
+        )
         logger.info("gateway metrics on :%d", httpd.server_port)
     await server.serve()
     if not server.started:

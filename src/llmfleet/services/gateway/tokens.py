@@ -75,17 +75,20 @@ class TokenSpeller:
 
     def chat_prompt_len(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
         max_num_tokens: int | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> int:
         """Tokens of the chat prompt as the tokenizer service renders it (same functions).
 
         With `max_num_tokens` (the context length) a longer prompt is a ValidationError of
         `messages` naming its length and the limit, found before tokenizing when the cheap bound
         of text/prompt_bound.py shows it."""
-        text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        text = render_chat(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         if max_num_tokens is not None and self._per_token is not None:
             at_least = min_num_tokens(text, self._per_token)
             if at_least > max_num_tokens:

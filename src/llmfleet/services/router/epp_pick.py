@@ -81,12 +81,52 @@ def _chat(body: Mapping[str, Any]) -> common_pb2.ChatPrompt:
         elif not isinstance(content, str):
             raise ValidationError(f"messages[{i}].content", "must be a string or a list of parts")
         role = "system" if m["role"] == "developer" else m["role"]
-        chat.messages.add(role=role, content=content)
+        pb = chat.messages.add(role=role, content=content)
+        _tool_fields(m, pb)
+    chat.tools.extend(_tools(body.get("tools")))
     add = body.get("add_generation_prompt", True)
     if not isinstance(add, bool):
         raise ValidationError("add_generation_prompt", "must be a boolean")
     chat.add_generation_prompt = add
     return chat
+
+
+_NO_PARAMETERS = {"type": "object", "properties": {}}  # what the gateway sends for none
+
+
+def _tool_fields(m: Mapping[str, Any], pb: common_pb2.ChatMessage) -> None:
+    """A message's tool calls and tool-result id, as the gateway passes them (best effort: the
+    pick only needs the prompt Generate will render; the gateway refuses malformed ones)."""
+    for call in m.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            args = fn.get("arguments", "{}")
+            pb.tool_calls.add(
+                id=str(call.get("id") or ""),
+                name=fn["name"],
+                arguments=args if isinstance(args, str) else json.dumps(args),
+            )
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            setattr(pb, key, m[key])
+
+
+def _tools(tools: Any) -> list[common_pb2.Tool]:
+    """The body's function tools (best effort, as `_tool_fields`)."""
+    out = []
+    for t in tools if isinstance(tools, list) else ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        params = fn.get("parameters")
+        out.append(
+            common_pb2.Tool(
+                name=fn["name"],
+                description=fn.get("description") if isinstance(fn.get("description"), str) else "",
+                parameters=json.dumps(params if isinstance(params, dict) else _NO_PARAMETERS),
+            )
+        )
+    return out
 
 
 def openai_param(field: str) -> str:

@@ -312,6 +312,7 @@ class Placement:
         indices: tuple[int, ...],
         prompt_ids: list[int],
         params: SamplingParams,
+        replayed: int = 0,  # the last tokens of prompt_ids are the completion's streamed output
     ) -> None:
         """Run completions `indices` on one worker via AddRequest (retrying elsewhere)."""
         role = self.serving_role
@@ -331,6 +332,7 @@ class Placement:
                         sampling=sampling_to_pb(params),
                         cache_salt=run.cache_salt,
                         reply_endpoint=self.replies.endpoint,
+                        num_replayed_tokens=replayed,
                     ),
                     timeout=_ADD_TIMEOUT_S,
                     metadata=metadata(run.trace),
@@ -376,9 +378,8 @@ class Placement:
                 await self.place(run, tuple(c.index for c in unfinished), run.prompt_ids, params)
                 return
             for c in unfinished:
-                await self.place(
-                    run, (c.index,), run.prompt_ids + c.token_ids, _continuation(run.params, c)
-                )
+                ids, resumed = run.prompt_ids + c.token_ids, _continuation(run.params, c)
+                await self.place(run, (c.index,), ids, resumed, replayed=len(c.token_ids))
         except Unavailable as exc:  # the client learns why its request had to move
             raise Unavailable(f"{why}; {exc}") from None
 

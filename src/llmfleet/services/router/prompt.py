@@ -20,6 +20,7 @@ from llmfleet.services.router.placement import CONTROL_TIMEOUT_S, field_error
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
+from llmfleet.shared.core.structured_output import parse_grammar
 from llmfleet.shared.wire.convert import sampling_from_pb
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tracing import metadata
@@ -32,6 +33,13 @@ def check_shape(req: generation_pb2.GenerateRequest) -> tuple[str, SamplingParam
     if kind is None:
         raise ValidationError("prompt", "set exactly one of text, tokens or chat")
     params = sampling_from_pb(req.sampling)
+    if params.structured_output is not None:
+        # Parsed without a vocabulary: a bad schema, regex or grammar fails here, before any
+        # routing; the worker compiles it against the vocabulary.
+        try:
+            parse_grammar(params.structured_output)
+        except ValidationError as e:
+            raise ValidationError(f"sampling.{e.field}", e.message) from None
     if kind == "text" and not req.text:
         raise ValidationError("text", "must not be empty")
     if kind == "tokens" and not req.tokens.token_ids:

@@ -24,9 +24,11 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmfleet.services.router.embed import Embedder
 from llmfleet.services.router.epp import EndpointPickerServer
+from llmfleet.services.router.load_pb import load_from_pb, load_to_pb
 from llmfleet.services.router.orchestrator import Router
-from llmfleet.services.router.registry import ROLES, Load
+from llmfleet.services.router.registry import ROLES
 from llmfleet.services.router.request import WorkerFailed
 from llmfleet.services.router.store_view import StoreView
 from llmfleet.services.router.tenancy import Tenancy
@@ -45,7 +47,7 @@ from llmfleet.shared.wire.limits import channel_options
 from llmfleet.shared.wire.service import Service, abort_with
 from llmfleet.shared.wire.tracing import context_from_metadata
 from llmfleet.v1 import (
-    common_pb2,
+    embedding_pb2,
     generation_pb2,
     generation_pb2_grpc,
     registry_pb2,
@@ -64,38 +66,6 @@ def _version() -> str:
         return version("llmfleet")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def load_from_pb(pb: common_pb2.LoadReport) -> Load:
-    return Load(
-        num_running=pb.num_running,
-        num_waiting=pb.num_waiting,
-        num_free_blocks=pb.num_free_blocks,
-        num_total_blocks=pb.num_total_blocks,
-        num_active_leases=pb.num_active_leases,
-        num_queued_prompt_tokens=pb.num_queued_prompt_tokens,
-        step_seconds=pb.step_seconds,
-        prefill_seconds_per_token=pb.prefill_seconds_per_token,
-        fetch_seconds_per_token=pb.fetch_seconds_per_token,
-        step_seconds_per_seq=pb.step_seconds_per_seq,
-        max_num_batched_tokens=pb.max_num_batched_tokens,
-    )
-
-
-def load_to_pb(load: Load) -> common_pb2.LoadReport:
-    return common_pb2.LoadReport(
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        num_free_blocks=load.num_free_blocks,
-        num_total_blocks=load.num_total_blocks,
-        num_active_leases=load.num_active_leases,
-        num_queued_prompt_tokens=load.num_queued_prompt_tokens,
-        step_seconds=load.step_seconds,
-        prefill_seconds_per_token=load.prefill_seconds_per_token,
-        fetch_seconds_per_token=load.fetch_seconds_per_token,
-        step_seconds_per_seq=load.step_seconds_per_seq,
-        max_num_batched_tokens=load.max_num_batched_tokens,
-    )
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
@@ -171,6 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router, keys: KeyRing | None = None) -> None:
         self.router = router
         self.tenancy = Tenancy(keys or KeyRing())
+        self.embedder = Embedder(router)  # Embed (embed.py)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -184,6 +155,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         yield resp
                 except LLMFleetError as exc:
                     await abort_with(context, exc)
+
+    async def Embed(
+        self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> embedding_pb2.EmbedResponse:
+        try:
+            return await self.embedder.embed(
+                request, context_from_metadata(context.invocation_metadata())
+            )
+        except LLMFleetError as exc:
+            await abort_with(context, exc)
+            raise  # unreachable: abort_with raises
 
     async def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -30,6 +30,7 @@ from llmfleet.services.tokenizer.detokenize import DetokenizeSession
 from llmfleet.shared.core.config import TokenizerConfig
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.wire import tls
+from llmfleet.shared.wire.chat import chat_messages_from_pb, tools_from_pb
 from llmfleet.shared.wire.service import Service, Unavailable, abort_with
 from llmfleet.shared.wire.tracing import child_span
 from llmfleet.text.chat import encode_rendered, render_chat, tokenize_prompt
@@ -136,7 +137,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
             return encode_text
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = chat_messages_from_pb(request.chat.messages)
+            try:
+                tools = tools_from_pb(request.chat.tools)
+            except ValidationError as exc:
+                raise _renamed(exc, f"chat.{exc.field}") from None
             add_generation_prompt = (
                 request.chat.add_generation_prompt
                 if request.chat.HasField("add_generation_prompt")
@@ -148,7 +153,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                     with child_span(tracer, "render") as span:
                         span.set_attribute("llmfleet.chat.num_messages", len(messages))
                         rendered = render_chat(
-                            tokenizer, messages, add_generation_prompt=add_generation_prompt
+                            tokenizer,
+                            messages,
+                            add_generation_prompt=add_generation_prompt,
+                            tools=tools,
                         )
                     _check_bound(rendered, per_token, limit, "chat.messages")
                     with child_span(tracer, "tokenize") as span:

@@ -11,7 +11,9 @@ The admission proper is one engine op, between steps: the prefix-cache count, `a
 step schedules a request before it is routed and followed. Without a kvstore, or when the
 kvstore's view holds none of the prompt's chain, that op is the whole admission (one hop on the
 TTFT path). Otherwise the request is validated (an engine op) while the kvstore fetch runs,
-both being on the TTFT path, and an invalid request cancels the fetch.
+both being on the TTFT path, and an invalid request cancels the fetch. A structured-output
+constraint is compiled first, on a pool thread (milliseconds to seconds: never on the engine
+thread), so `add_request` finds it in the engine's grammar cache.
 
 Owned by the worker's event loop; `routes` is the worker's request id -> reply endpoint table,
 which this adds to and never removes from.
@@ -24,6 +26,7 @@ import functools
 
 from opentelemetry import trace
 
+from llmfleet.engine.engine import LLMEngine
 from llmfleet.services.worker.decode_side import EngineAccess
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
 from llmfleet.services.worker.outputs import PROMPT_TOKENS
@@ -56,10 +59,13 @@ class Admission:
         *,
         reply_endpoint: str | None,
         prefill_only: bool,
+        replayed: int = 0,
     ) -> int:
         """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached
-        (whole blocks, one block fewer when they cover the whole prompt)."""
+        (whole blocks, one block fewer when they cover the whole prompt). `replayed`: the
+        prompt's last tokens are output generated elsewhere (AddRequest.num_replayed_tokens)."""
         engine, loop = self._engine_loop()
+        await precompile(engine, params)
         model_id = engine.spec.model_id
         hashes = hash_block_chain(prompt, self._block_size, HashContext(model_id, cache_salt))
         kvstore = self.kvstore
@@ -68,7 +74,12 @@ class Admission:
         def admit(num_remote: int | None) -> int:
             num_cached = engine.kv.num_cached_prefix_blocks(hashes)
             engine.add_request(
-                request_id, prompt, params, cache_salt=cache_salt, prefill_only=prefill_only
+                request_id,
+                prompt,
+                params,
+                cache_salt=cache_salt,
+                prefill_only=prefill_only,
+                num_replayed_tokens=replayed,
             )
             if reply_endpoint:
                 self._routes[request_id] = reply_endpoint
@@ -90,7 +101,7 @@ class Admission:
         if kvstore is None or kvstore.view_holds_none(hashes):
             num_cached_blocks = await loop.call(admit, None if kvstore is None else 0)
         else:
-            valid = loop.submit(engine.validate_request, request_id, prompt, params)
+            valid = loop.submit(engine.validate_request, request_id, prompt, params, replayed)
             fetch = asyncio.create_task(kvstore.fetch_prefix(hashes))
             try:
                 await valid
@@ -109,3 +120,11 @@ class Admission:
         return await self.admit(
             request_id, prompt, params, cache_salt, reply_endpoint=None, prefill_only=True
         )
+
+
+async def precompile(engine: LLMEngine, params: SamplingParams) -> None:
+    """Compile `params`' structured-output constraint into the engine's grammar cache on a pool
+    thread; raises its ValidationError. Nothing to do without a constraint."""
+    grammars = engine.intake.grammars
+    if params.structured_output is not None and grammars is not None:
+        await asyncio.to_thread(grammars.compile, params.structured_output)

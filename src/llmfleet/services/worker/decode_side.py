@@ -190,6 +190,10 @@ class DecodeSide:
             raise ValidationError("reply_endpoint", "must be set")
         params = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
+        grammars = engine.intake.grammars
+        if params.structured_output is not None and grammars is not None:
+            # Off the engine thread (see admission.py); start_decode then finds it cached.
+            await asyncio.to_thread(grammars.compile, params.structured_output)
         self.reap()
         try:
             lease = self.leases.get(request.lease_id, request.epoch)

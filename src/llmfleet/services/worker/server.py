@@ -18,13 +18,14 @@ import grpc
 
 from llmfleet.models.loader import LoadedModel
 from llmfleet.services.worker.decode_side import DecodeSide
+from llmfleet.services.worker.embed import embed
 from llmfleet.services.worker.prefill_side import Cancelled
 from llmfleet.services.worker.runtime import SERVICE_NAME, WorkerRuntime
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.wire.convert import ROLE_TO_PB, sampling_from_pb
 from llmfleet.shared.wire.service import FailedPrecondition, abort_with
-from llmfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from llmfleet.v1 import common_pb2, embedding_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
                 request.cache_salt,
                 reply_endpoint=request.reply_endpoint,
                 prefill_only=False,
+                replayed=request.num_replayed_tokens,
             )
         except LLMFleetError as e:
             await abort_with(context, e)
@@ -177,6 +179,16 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         except Cancelled as e:
             await context.abort(grpc.StatusCode.CANCELLED, str(e))
             raise  # unreachable: abort raises
+        except LLMFleetError as e:
+            await abort_with(context, e)
+            raise  # unreachable: abort_with raises
+
+    async def Embed(
+        self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> embedding_pb2.EmbedResponse:
+        try:
+            self._require_role("Embed", "unified", "prefill")
+            return await embed(*self._engine_loop(), request)  # embed.py
         except LLMFleetError as e:
             await abort_with(context, e)
             raise  # unreachable: abort_with raises

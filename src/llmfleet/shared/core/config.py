@@ -229,6 +229,11 @@ class GatewayConfig:
     # A request body larger than this is answered 413 without being read (body_limit.py).
     max_request_bytes: int = 16 * 1024 * 1024
     grace_s: float = 30.0  # on SIGTERM: finish open requests for this long, then close
+    # The Responses API's store of answered responses (responses_store.py): kept for GET and
+    # `previous_response_id` until one of these bounds evicts them (entries 0: none kept).
+    responses_store_max_entries: int = 10_000
+    responses_store_max_bytes: int = 256 * 1024 * 1024
+    responses_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -241,6 +246,12 @@ class GatewayConfig:
             raise ValidationError("grace_s", "must be >= 0")
         if self.served_model_name == "":
             raise ValidationError("served_model_name", "must not be empty")
+        if self.responses_store_max_entries < 0:
+            raise ValidationError("responses_store_max_entries", "must be >= 0")
+        if self.responses_store_max_bytes < 0:
+            raise ValidationError("responses_store_max_bytes", "must be >= 0")
+        if self.responses_store_ttl_s <= 0:
+            raise ValidationError("responses_store_ttl_s", "must be > 0")
 
 
 @dataclass(frozen=True)

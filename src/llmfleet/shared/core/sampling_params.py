@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # None: unconstrained
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

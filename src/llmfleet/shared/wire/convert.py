@@ -12,6 +12,7 @@ from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
 from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.core.structured_output import StructuredOutput
 from llmfleet.v1 import common_pb2
 
 _OPTIONAL_SAMPLING = (
@@ -39,15 +40,42 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, prefix: str = "sampling") ->
         name: getattr(pb, name) for name in _OPTIONAL_SAMPLING if pb.HasField(name)
     }
     try:
+        structured = (
+            structured_output_from_pb(pb.structured_output)
+            if pb.HasField("structured_output")
+            else None
+        )
         return SamplingParams(
             stop=tuple(pb.stop),
             stop_token_ids=tuple(pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
             include_stop_str_in_output=pb.include_stop_str_in_output,
+            structured_output=structured,
             **kwargs,  # type: ignore[arg-type]
         )
     except ValidationError as e:
         raise ValidationError(f"{prefix}.{e.field}", e.message) from None
+
+
+def structured_output_from_pb(pb: common_pb2.StructuredOutput) -> StructuredOutput:
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise ValidationError("structured_output", "set but empty: name one kind of constraint")
+    if kind == "json_object":
+        if not pb.json_object:
+            raise ValidationError("structured_output.json_object", "must be true when set")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(pb.choice.choices))
+    return StructuredOutput(kind, spec=getattr(pb, kind))
+
+
+def structured_output_to_pb(s: StructuredOutput) -> common_pb2.StructuredOutput:
+    if s.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if s.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=list(s.choices)))
+    return common_pb2.StructuredOutput(**{s.kind: s.spec})
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -72,6 +100,8 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = p.seed
     if p.logprobs is not None:
         pb.logprobs = p.logprobs
+    if p.structured_output is not None:
+        pb.structured_output.CopyFrom(structured_output_to_pb(p.structured_output))
     return pb
 
 
