@@ -84,7 +84,7 @@ def parse_grammar(s: StructuredOutput) -> Any:
         if s.kind == "regex":
             return xgr.Grammar.from_regex(s.spec)
         if s.kind == "choice":
-            # ensure_ascii: GBNF string literals take JSON's escapes (\", \\, \n, \uXXXX).
+            # ensure_ascii: GBNF string literals take JSON's escapes (\", \\, \n, \u + 4 hex).
             alternatives = " | ".join(json.dumps(c, ensure_ascii=True) for c in s.choices)
             return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
         return xgr.Grammar.from_ebnf(s.spec)
