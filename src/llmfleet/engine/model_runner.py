@@ -294,4 +294,14 @@ class ModelRunner:
         tables = [self.bm.block_ids(r.request_id) for r in requests]
         if not graphs.fits(positions, tables):
             return None
+        return self._run_graphs(graphs, token_ids, positions, tables)
+
+    def _run_graphs(
+        self,
+        graphs: PaddedDecoder,
+        token_ids: list[int] | torch.Tensor,
+        positions: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """One decode step that fits `graphs` (tensor parallelism: on every rank)."""
         return graphs.run(token_ids, positions, tables)

@@ -26,7 +26,6 @@ import torch
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.cuda_graphs import PaddedDecoder
 from llmfleet.engine.model_runner import BlockRead, ModelRunner, StepInputs
-from llmfleet.engine.request import Request
 from llmfleet.engine.tp_ranks import Ranks
 from llmfleet.engine.tp_step import (
     CAPTURE,
@@ -67,16 +66,13 @@ class TPModelRunner(ModelRunner):
         super().capture_decode_graphs(max_batch_size, max_model_len)
         self.ranks.done()
 
-    def _replay(
+    def _run_graphs(
         self,
         graphs: PaddedDecoder,
-        requests: list[Request],
         token_ids: list[int] | torch.Tensor,
         positions: list[int],
-    ) -> torch.Tensor | None:
-        tables = [self.bm.block_ids(r.request_id) for r in requests]
-        if not graphs.fits(positions, tables):
-            return None
+        tables: list[list[int]],
+    ) -> torch.Tensor:
         on_device = isinstance(token_ids, torch.Tensor)
         counts, body = encode_decode(positions, tables, None if on_device else list(token_ids))
         self.ranks.send(DECODE, counts, body)
