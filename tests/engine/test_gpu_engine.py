@@ -76,7 +76,7 @@ def test_gpu_exported_blocks_are_read_beside_later_steps(make_checkpoint, tmp_pa
         engine.step()
     payload = read.wait()
     assert payload.is_pinned() and payload.shape[0] == len(hashes)
-    assert torch.equal(payload.cuda(), engine.runner._gather(ids).contiguous())
+    assert torch.equal(payload.cuda(), engine.runner.cache_blocks(ids).contiguous())
     engine.kv.end_export("put")
     assert engine.num_free_blocks == idle
     other = LLMEngine(EngineConfig(device="cuda", num_kv_blocks=64, block_size=16), loaded)

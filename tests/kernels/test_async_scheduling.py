@@ -9,6 +9,7 @@ padded static-buffer path (`PaddedDecoder`) run eagerly through Triton's interpr
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -26,6 +27,7 @@ from llmfleet.models.loader import LoadedModel, load_model  # noqa: E402
 from llmfleet.services.worker.outputs import StepMetrics  # noqa: E402
 from llmfleet.shared.core.config import EngineConfig  # noqa: E402
 from llmfleet.shared.core.sampling_params import SamplingParams  # noqa: E402
+from llmfleet.shared.core.structured_output import StructuredOutput  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_BLOCKS = 64
@@ -107,6 +109,33 @@ def test_async_steps_give_the_synchronous_tokens(loaded) -> None:
     assert engine.chain.num_chained_steps >= 6
     assert sync.chain.num_chained_steps == 0
     assert engine.num_free_blocks == sync.num_free_blocks == NUM_BLOCKS
+
+
+def test_structured_rows_chain_and_sample_the_synchronous_tokens(loaded) -> None:
+    """Constrained rows decode chained too (their mask is filled from the pending tokens while
+    the step runs): the same tokens as the synchronous engine, every output in its grammar,
+    and a grammar that ends finishes its request with "stop" mid-chain."""
+    p = prompts()
+    word = StructuredOutput("regex", "[a-e]{4,12}")
+    short = StructuredOutput("choice", choices=("abc", "bcd"))
+    requests = {
+        "r0": (
+            p[0],
+            SamplingParams(max_tokens=12, temperature=0.9, seed=3, structured_output=word),
+        ),
+        "r1": (p[1], SamplingParams(max_tokens=10, temperature=0.0, structured_output=short)),
+        "r2": (p[2], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
+    }
+    want, want_reasons = run(make_engine(loaded, False), requests)
+    engine = make_engine(loaded, True)
+    got, reasons = run(engine, requests)
+
+    assert got == want and reasons == want_reasons
+    text = {rid: bytes(t for t in got[rid] if t < 256).decode() for rid in ("r0", "r1")}
+    assert re.fullmatch("[a-e]{4,12}", text["r0"]) and text["r1"] in ("abc", "bcd")
+    assert reasons["r1"] == "stop" and reasons["r2"] == "length"
+    assert engine.chain.num_chained_steps >= 4
+    assert engine.num_free_blocks == NUM_BLOCKS
 
 
 def test_abort_and_arrival_while_a_step_is_in_flight(loaded) -> None:

@@ -7,7 +7,9 @@ returns; the next `step` first has `DecodeChain.launch` queue the step after it 
 decodes its pending token at the slot after its last known token, the token copied into the
 graph's input on the device), then reads the pending tokens back and emits them while that
 step runs. Tokens therefore come out one `step` call after the step that sampled them, at the
-GPU's pace.
+GPU's pace. A structured-output row chains too: once the step is queued, the host reads the
+pending tokens, the matchers accept them and the step's grammar mask is filled and applied
+before it samples, all while the device runs the forward pass (structured.py).
 
 Chaining stops (the pending tokens are read first, then an ordinary step is scheduled)
 whenever the next step needs the host to know them: a request waiting to be admitted, a running
@@ -33,6 +35,7 @@ from llmfleet.engine.model_runner import ModelRunner
 from llmfleet.engine.request import Request, RequestStatus
 from llmfleet.engine.sampler import Sampler, SamplingRow, device_only, small_tensor
 from llmfleet.engine.scheduler import Scheduler
+from llmfleet.engine.structured import MaskFiller, start_ahead_mask
 
 
 class InFlight:
@@ -74,6 +77,7 @@ class DecodeChain:
         *,
         enabled: bool,
         max_model_len: int,
+        masks: MaskFiller | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -82,6 +86,7 @@ class DecodeChain:
         self.model_shape = model_shape
         self.enabled = enabled
         self.max_model_len = max_model_len
+        self.masks = masks  # structured output: a chained step's grammar masks
         self.num_chained_steps = 0  # decode steps launched before their inputs were read back
 
     def may_chain(self, reqs: list[Request], *, waiting: bool) -> bool:
@@ -98,7 +103,12 @@ class DecodeChain:
             return False
         return all(
             not r.prefill_only
-            and device_only(r.params, r.num_output_tokens, bool(r.stop_token_ids))
+            and device_only(
+                r.params,
+                r.num_output_tokens,
+                bool(r.stop_token_ids),
+                masked_ahead=self.masks is not None,
+            )
             for r in reqs
         )
 
@@ -129,6 +139,12 @@ class DecodeChain:
         step = self.runner.execute_chained(reqs, token_ids)
         if step is None:
             return None
+        mask = None
+        if self.masks is not None and any(r.matcher is not None for r in reqs):
+            # The forward pass is queued: read `prev`'s tokens meanwhile (this waits for
+            # `prev` alone) and fill this step's grammar mask from them.
+            host = prev.read()
+            mask = start_ahead_mask(self.masks, reqs, [host[i] for i in keep])
         self.num_chained_steps += 1
         n = len(reqs)
         batch = StepBatch((1,) * n, tuple(r.num_tokens for r in reqs), n)
@@ -137,5 +153,7 @@ class DecodeChain:
         )
         for req in reqs:
             req.num_computed_tokens += 1  # the pending token, appended when read back
+        if mask is not None:
+            self.masks.apply(mask, step.logits)
         rows = [SamplingRow.of(req) for req in reqs]
         return InFlight(reqs, self.sampler.sample_ids(step.logits, rows)), cost

@@ -101,6 +101,7 @@ class LLMEngine:
             config, loaded, self.block_manager, self.device, self.max_model_len
         )
         self.kv = KVHandoff(self.block_manager, self.runner, self.max_model_len)
+        self.masks = MaskFiller(self.spec.vocab_size, self.device)  # structured output
         self.chain = DecodeChain(
             self.runner,
             self.scheduler,
@@ -109,11 +110,11 @@ class LLMEngine:
             self.model_shape,
             enabled=config.async_scheduling,
             max_model_len=self.max_model_len,
+            masks=self.masks,
         )
         self.last_step_cost = StepCost()  # of the latest step (zero: it ran no batch)
         self.last_step_work = (0, 0)  # (prompt tokens, decoded sequences) of the latest step
         self.limits = SamplingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)
-        self.masks = MaskFiller(self.spec.vocab_size, self.device)  # structured output
         self.intake = RequestIntake(
             self.spec,
             self.limits,

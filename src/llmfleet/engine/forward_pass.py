@@ -63,6 +63,8 @@ def forward_pass(
     `config` is resolved. On CUDA the calling thread's current device becomes `device` (the
     graphs' kernels and Triton's launches go to the current device)."""
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, by its index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     if isinstance(loaded.model, SimulatedModel):
         step_time = StepTime(

@@ -108,14 +108,21 @@ class Sampler:
         return ids
 
 
-def device_only(params: SamplingParams, num_output_tokens: int, has_stop_ids: bool) -> bool:
+def device_only(
+    params: SamplingParams,
+    num_output_tokens: int,
+    has_stop_ids: bool,
+    *,
+    masked_ahead: bool = False,
+) -> bool:
     """Whether a row samples from its logits alone: no penalty (they count the output tokens
     on the host), no logprobs (read back), no min_tokens mask at this output length, no
-    structured output (its grammar mask follows the latest token). Such rows can sample before
-    their latest token is known on the host."""
+    structured output (its grammar mask follows the latest token) unless `masked_ahead` (the
+    caller fills the mask once that token is read: async_scheduling.py). Such rows can sample
+    before their latest token is known on the host."""
     return (
         params.logprobs is None
-        and params.structured_output is None
+        and (params.structured_output is None or masked_ahead)
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0

@@ -14,10 +14,12 @@ every sequence and thread (compiling takes milliseconds to seconds: the worker c
 engine thread before admitting, so `add_request` finds the grammar here).
 
 Invariant: a sequence's matcher has accepted exactly its output tokens (replayed ones included),
-so it needs no rollback: recompute after preemption keeps the output tokens, and constrained rows
-never run ahead of the host (`sampler.device_only` is False for them, so no decode step is
-chained before their tokens are read). The model's EOS ids are the grammar's stop tokens: EOS is
-allowed only where the grammar may end, and accepting it terminates the matcher.
+so it needs no rollback: recompute after preemption keeps the output tokens. A decode step
+chained ahead of the host (async_scheduling.py) reads the previous step's tokens while the
+device runs its forward pass, has the matchers accept them ahead (`start_ahead_mask`) and masks
+its logits before sampling; the engine appends those tokens right after. The model's EOS ids
+are the grammar's stop tokens: EOS is allowed only where the grammar may end, and accepting it
+terminates the matcher.
 
 Layout: the bitmask is `(B, ceil(V / 32))` int32 on the host, row `r` for logits row `r`, bit
 `t % 32` of word `t // 32` set when token `t` is allowed; only the constrained rows are filled
@@ -51,14 +53,22 @@ FIELD = "sampling.structured_output"
 class Matcher:
     """One sequence's grammar state."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "ahead")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self._m = xgr.GrammarMatcher(compiled)
+        # (token, accepted) of an output token accepted before the engine appended it (a
+        # chained decode step needs the next mask first: `accept_ahead`); None otherwise.
+        self.ahead: tuple[int, bool] | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) when the grammar forbids it."""
         return self._m.accept_token(token_id)
+
+    def accept_ahead(self, token_id: int) -> None:
+        """Accept the sequence's next output token before the engine appends it; the engine's
+        `grammar_status` then takes this result instead of accepting the token again."""
+        self.ahead = (token_id, self._m.accept_token(token_id))
 
     @property
     def terminated(self) -> bool:
@@ -208,6 +218,27 @@ def start_mask(masks: MaskFiller, sched: SchedulerOutput) -> Future[PendingMask]
     return masks.start(len(sampling), rows)
 
 
+def start_ahead_mask(
+    masks: MaskFiller, reqs: list[Request], tokens: list[int]
+) -> Future[PendingMask] | None:
+    """For a decode step launched before its inputs `tokens` were on the host: accept each
+    constrained request's token ahead (its matcher then stands where the step samples) and
+    start filling the step's mask, row i for reqs[i]; None when no row is constrained. A
+    matcher that the token ends or breaks gets no mask row: the engine finishes its request
+    and drops what the step samples for it."""
+    rows = []
+    for r, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+        m = req.matcher
+        if m is None:
+            continue
+        m.accept_ahead(token)
+        if m.ahead is not None and m.ahead[1] and not m.terminated:
+            rows.append((r, m))
+    if not rows:
+        return None
+    return masks.start(len(reqs), rows)
+
+
 def grammar_status(req: Request, *, accepted: bool = False) -> RequestStatus | None:
     """Advance `req`'s matcher by its newest token (`accepted`: it was already) and say whether
     that ends it: FINISHED_STOPPED when the grammar terminated; FINISHED_ABORTED when the token
@@ -215,6 +246,16 @@ def grammar_status(req: Request, *, accepted: bool = False) -> RequestStatus | N
     if req.matcher is None:
         return None
     token = req.output_token_ids[-1]
+    ahead, req.matcher.ahead = req.matcher.ahead, None
+    if ahead is not None:
+        if ahead[0] != token:
+            raise RuntimeError(f"{req.request_id}: accepted {ahead[0]} ahead, appended {token}")
+        accepted = ahead[1]
+        if not accepted:
+            logger.error(
+                "%s: token %d breaks its structured output; aborting", req.request_id, token
+            )
+            return RequestStatus.FINISHED_ABORTED
     if not accepted and not req.matcher.accept(token):
         logger.error("%s: token %d breaks its structured output; aborting", req.request_id, token)
         return RequestStatus.FINISHED_ABORTED
