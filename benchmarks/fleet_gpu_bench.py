@@ -17,7 +17,8 @@ through the in-process engine and through real fleets on loopback, side by side 
 5. `disaggregated`: one prefill and one decode worker on the same GPU, each with
    --gpu-memory-utilization 0.45; gRPC at each concurrency.
 6. `disaggregated-2gpu`: the prefill worker on GPU 0, the decode worker on GPU 1 (KV moves
-   GPU to GPU by CUDA IPC); gRPC at each concurrency.
+   GPU to GPU by CUDA IPC); gRPC at each concurrency. `disaggregated-2gpu-host`: the same with
+   `--kv-transfer host` (KV staged through host memory), the baseline of the IPC path.
 For the disaggregated paths, the prefill worker's KV pushes at each concurrency: bytes, pushes
 GPU to GPU / through host memory, and bytes per second of push time (first send to last ack).
 Each row: output tokens/s of the engine and of the fleet, their ratio, ITL and TTFT
@@ -145,7 +146,9 @@ def run_fleet(args: argparse.Namespace, checkpoint: Path, path: str) -> dict[str
     extra: dict[str, list[str]] = {}
     if path == "disaggregated" and not args.tiny:
         extra["worker"] = ["--gpu-memory-utilization", "0.45"]
-    two_gpus = path == "disaggregated-2gpu" and not args.tiny
+    two_gpus = path.startswith("disaggregated-2gpu") and not args.tiny
+    if path == "disaggregated-2gpu-host":
+        extra["worker"] = ["--kv-transfer", "host"]
     spec = FleetSpec(
         port=0,
         model=str(checkpoint),
