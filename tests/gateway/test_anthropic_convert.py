@@ -8,6 +8,7 @@ import pytest
 from llmfleet.services.gateway import anthropic_convert as ac
 from llmfleet.services.gateway.errors import APIError
 from llmfleet.services.gateway.tool_parsers import ToolCall
+from llmfleet.shared.core.image_source import ImageSource
 
 
 def _req(messages, **fields) -> ac.MessagesRequest:
@@ -58,11 +59,64 @@ def test_blocks_become_chat_messages_with_tool_turns():
     ]
 
 
+def test_image_blocks_become_image_parts_in_order():
+    png = {"type": "base64", "media_type": "image/png", "data": "AAEC"}
+    blocks = [
+        {"type": "text", "text": "a"},
+        {"type": "image", "source": png},
+        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
+        {"type": "text", "text": "b"},
+    ]
+    assert ac.chat_messages(_req([{"role": "user", "content": blocks}])) == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image", "image": ImageSource(data=b"\x00\x01\x02")},
+                {"type": "image", "image": ImageSource(url="https://x/y.png")},
+                {"type": "text", "text": "b"},
+            ],
+        }
+    ]
+    png["data"] = "AA=C"
+    with pytest.raises(APIError) as e:
+        ac.chat_messages(_req([{"role": "user", "content": blocks}]))
+    assert e.value.status == 400 and e.value.param == "messages[0].content[1].source.data"
+    assert "malformed base64" in e.value.message
+
+
+def test_part_origins_name_the_requests_blocks_by_the_chats_paths():
+    png = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAEC"}}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": "42"}
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    req = _req(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [result, {"type": "text", "text": "see"}, png]},
+        ]
+    )
+    req.system = "Be brief."
+    # chat: [system, user "hi", assistant (call), tool (result), user [text, image]]
+    assert len(ac.chat_messages(req)) == 5
+    origins = ac.part_origins(req)
+    assert origins["chat.messages[1].content"] == "messages[0].content"
+    assert origins["chat.messages[4].parts[0]"] == "messages[2].content[1]"
+    assert origins["chat.messages[4].parts[1]"] == "messages[2].content[2]"
+
+
 def test_unsupported_blocks_are_400s_naming_them():
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     with pytest.raises(APIError) as e:
         ac.chat_messages(_req([{"role": "user", "content": [image]}]))
-    assert e.value.status == 400 and e.value.param == "messages[0].content[0].type"
+    assert e.value.status == 400 and e.value.param == "messages[0].content[0].source.data"
+    image["source"] = {"type": "file", "file_id": "f"}
+    with pytest.raises(APIError) as e:
+        ac.chat_messages(_req([{"role": "user", "content": [image]}]))
+    assert e.value.param == "messages[0].content[0].source.type"
+    with pytest.raises(APIError) as e:  # images come from users only
+        ac.chat_messages(_req([{"role": "assistant", "content": [image]}]))
+    assert e.value.param == "messages[0].content[0].type"
     use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
     with pytest.raises(APIError):  # a user turn does not call tools
         ac.chat_messages(_req([{"role": "user", "content": [use]}]))

@@ -198,7 +198,17 @@ def test_errors_are_in_anthropics_shape(client, model):
         client.messages.create(
             model=model, max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
-    assert "messages[0].content[0].type" in e.value.body["error"]["message"]
+    assert (
+        "messages[0].content[0].source.data: the image is empty" in e.value.body["error"]["message"]
+    )
+    # A well-formed image, for a text-only model: refused by the tokenizer service.
+    gif = "R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7"  # a 1x1 GIF
+    image["source"] = {"type": "base64", "media_type": "image/gif", "data": gif}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(
+            model=model, max_tokens=4, messages=[{"role": "user", "content": [image]}]
+        )
+    assert "does not accept images" in e.value.body["error"]["message"]
 
 
 def test_x_api_key_is_checked_and_errors_stay_in_anthropics_shape():

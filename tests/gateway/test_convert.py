@@ -15,6 +15,7 @@ from llmfleet.services.gateway.errors import APIError, from_client_error, param_
 from llmfleet.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from llmfleet.services.gateway.streaming import ChunkBuilder
 from llmfleet.services.gateway.tokens import TokenSpeller, _byte_level_alphabet
+from llmfleet.shared.core.image_source import ImageSource
 from llmfleet.shared.core.outputs import Completion, TokenLogprobs
 
 
@@ -87,9 +88,28 @@ def test_chat_messages_parts_and_roles():
         {"role": "user", "content": "ab"},
         {"role": "assistant", "content": ""},
     ]
-    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]
     bad = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": image}])
+    assert rejected(convert.chat_call, bad).param == "messages[0].content[0].image_url"
+    audio = [{"type": "input_audio", "input_audio": {}}]
+    bad = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": audio}])
     assert rejected(convert.chat_call, bad).param == "messages[0].content[0]"
+    parts = [
+        {"type": "text", "text": "see"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}},
+        {"type": "image_url", "image_url": "file:///m/cat.png"},
+    ]
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}])
+    assert convert.chat_messages(req.messages) == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image", "image": ImageSource(data=b"\x00\x01\x02")},
+                {"type": "image", "image": ImageSource(url="file:///m/cat.png")},
+            ],
+        }
+    ]
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from mm_checkpoints.llava import make_llava_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_gguf import write_tiny_llama_gguf
@@ -237,6 +238,13 @@ def test_moe_checkpoints(ranks: RankPool, make_checkpoint_module) -> None:
     qwen = make_checkpoint_module("qwen3_moe", moe_intermediate_size=45)
     assert_matches_unsplit(ranks, Case(path=str(qwen)))
     assert_matches_unsplit(ranks, Case(path=str(make_checkpoint_module("mixtral"))))
+
+
+def test_llava_checkpoint(ranks: RankPool) -> None:
+    # A vision-language model: its decoder sharded like a text model's, the vision tower and
+    # projector replicated (loaded whole from the lazy slices); text prompts.
+    kv = assert_matches_unsplit(ranks, Case(path=make_llava_checkpoint("siglip")))
+    assert kv == [(1, 2, 0), (1, 2, 1)]
 
 
 def _stack_experts(src: Path, dst: Path) -> Path:

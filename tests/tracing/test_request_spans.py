@@ -50,3 +50,16 @@ def test_nothing_followed_without_a_recording_span():
     spans.expect(quiet)
     spans.admitted("r1", quiet, 40, 1, prefill_only=False)
     assert not spans.following and len(spans) == 0
+
+
+def test_prefill_span_carries_the_encoder_time_of_its_images(span_exporter):
+    spans = RequestSpans("w0")
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("llmfleet.v1.Worker/AddRequest") as rpc:
+        spans.expect(rpc)
+        spans.admitted("img", rpc, 40, 1, prefill_only=False)
+        spans.on_step([RunningView("img", 0, 8, 24, encoder_seconds=0.25)], 1)
+        spans.on_step([RunningView("img", 0, 8, 40, encoder_seconds=0.5)], 2)
+        spans.on_output(output("img", [5], finished=True), 3)
+    prefill = [s for s in span_exporter.get_finished_spans() if s.name == "prefill"][-1]
+    assert prefill.attributes["llmfleet.encoder_seconds"] == 0.5

@@ -67,3 +67,16 @@ def test_incremental_extension_equals_full_chain():
     head = bh.hash_block_chain(toks[:40], 8)
     tail = bh.hash_block_chain(toks, 8, start_block=len(head), parent=head[-1])
     assert head + tail == full
+
+
+def test_an_image_changes_the_blocks_from_its_placeholders_on():
+    from llmfleet.shared.core.multimodal import ImageRef, mm_spans
+
+    toks = [7] * 10 + [259] * 12 + [8] * 10  # placeholders [10, 22) over blocks 1 and 2
+    one, two = "a" * 64, "b" * 64
+    first = bh.hash_block_chain(toks, 8, mm_spans=mm_spans([ImageRef(one, 10, 12)]))
+    again = bh.hash_block_chain(toks, 8, mm_spans=mm_spans([ImageRef(one, 10, 12)]))
+    other = bh.hash_block_chain(toks, 8, mm_spans=mm_spans([ImageRef(two, 10, 12)]))
+    assert first == again and len(first) == 4
+    assert first[0] == other[0]  # the text before the image
+    assert all(a != b for a, b in zip(first[1:], other[1:], strict=True))

@@ -28,6 +28,7 @@ SETTINGS = {
     "max_num_batched_tokens": 8192,
     "max_model_len": 4096,
     "enable_prefix_caching": False,
+    "encoder_cache_mb": 64,
     "max_n": 4,
     "max_logprobs": 5,
     "num_threads": 3,

@@ -10,6 +10,7 @@ import argparse
 from llmfleet.cli.benchserve import args as bench_args
 from llmfleet.cli.generate import ENGINE_FLAGS
 from llmfleet.cli.services import SERVICES
+from llmfleet.services.tokenizer.flags import add_media_flags
 from llmfleet.shared.core.api_keys import add_api_key_flag
 from llmfleet.shared.core.config import ROUTING_POLICIES
 from llmfleet.shared.core.engine_flags import add_engine_flags
@@ -134,6 +135,7 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     engine = p.add_argument_group("the workers' engine (see python -m llmfleet.services.worker)")
     add_engine_flags(engine, skip=ENGINE_FLAGS)
+    add_media_flags(p.add_argument_group("images, for a vision-language model (the tokenizer's)"))
 
 
 def build_parser() -> argparse.ArgumentParser:

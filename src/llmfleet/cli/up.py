@@ -21,6 +21,7 @@ from typing import IO
 from llmfleet.cli.fleet_plan import FleetSpec, FleetStartError
 from llmfleet.cli.generate import ENGINE_FLAGS, remote_chat
 from llmfleet.cli.launcher import Fleet, write_line
+from llmfleet.services.tokenizer.flags import media_argv
 from llmfleet.shared.core.config import ENV_PREFIX, AuthConfig, EngineConfig, from_env
 from llmfleet.shared.core.errors import ValidationError
 
@@ -65,6 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         supervise=not args.no_restart,
         metrics_port=args.metrics_port,
         metrics_port_base=args.metrics_port_base,
+        extra_args={"tokenizer": media_argv(args)},
     )
     session = None
     if args.chat:

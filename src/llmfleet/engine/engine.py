@@ -19,8 +19,8 @@ whose prompt KV was written into a reservation of `engine.kv`. Invariant: every 
 a request, pin or reservation returns its blocks.
 
 With `async_scheduling` a decode step may leave its tokens on the device; `step` returns them
-one call later (`engine.chain`, async_scheduling.py). `last_step_cost` and `last_step_work`
-describe the latest step (for metrics and the step-time model).
+one call later (`engine.chain`, async_scheduling.py). `last_step_cost` / `last_step_work`:
+the latest step's. Images of a prompt (vision-language models): `engine.mm` (mm_inputs.py).
 
 Who mutates what: the scheduler moves requests between its queues (admit, preempt, finish);
 the engine advances `num_computed_tokens` by what each step computed (`engine.chain` for the
@@ -32,20 +32,15 @@ from __future__ import annotations
 
 import torch
 
+from llmfleet.engine import flops
 from llmfleet.engine.async_scheduling import DecodeChain, InFlight
 from llmfleet.engine.block_manager import BlockManager
-from llmfleet.engine.flops import (
-    ModelShape,
-    StepBatch,
-    StepCost,
-    estimate_step_cost,
-    model_shape,
-    step_work,
-)
-from llmfleet.engine.forward_pass import forward_pass, load_for
+from llmfleet.engine.flops import ModelShape, StepCost
+from llmfleet.engine.forward_pass import forward_pass, load_for, torch_device
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
 from llmfleet.engine.memory import num_kv_blocks
+from llmfleet.engine.mm_inputs import MultimodalInputs
 from llmfleet.engine.model_runner import kv_bytes_per_block
 from llmfleet.engine.pooling import Pooler
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
@@ -57,6 +52,7 @@ from llmfleet.models.simulated import SimulatedModel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.multimodal import ImageRef, PixelInput
 from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 
@@ -68,7 +64,7 @@ class LLMEngine:
         self.model = loaded.model
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
-        self.device = torch.device(config.device)
+        self.device = torch_device(config.device)
         if self.spec.dtype != config.torch_dtype:  # the KV cache is made in the config's dtype
             raise ValidationError(
                 "dtype",
@@ -86,7 +82,7 @@ class LLMEngine:
         self.simulated = isinstance(self.model, SimulatedModel)
         self.model_shape: ModelShape | None = None  # for work estimates; None when simulated
         if not isinstance(self.model, SimulatedModel):
-            self.model_shape = model_shape(self.model, config.torch_dtype.itemsize)
+            self.model_shape = flops.model_shape(self.model, config.torch_dtype.itemsize)
         block_bytes = kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype)
         num_blocks = num_kv_blocks(config, self.model_shape, self.device, block_bytes)
         self.block_manager = BlockManager(
@@ -101,6 +97,7 @@ class LLMEngine:
             config, loaded, self.block_manager, self.device, self.max_model_len
         )
         self.kv = KVHandoff(self.block_manager, self.runner, self.max_model_len)
+        self.mm: MultimodalInputs = self.runner.mm  # images: encoder cache and runs
         self.masks = MaskFiller(self.spec.vocab_size, self.device)  # structured output
         self.chain = DecodeChain(
             self.runner,
@@ -122,6 +119,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             device=self.device,
             grammars=GrammarCache.of(loaded),
+            mm=self.mm,
         )
         self.pooler = Pooler.for_engine(self)  # embeddings (pooling.py)
         self._requests: dict[str, Request] = {}  # by sequence id
@@ -149,24 +147,29 @@ class LLMEngine:
         cache_salt: str = "",
         prefill_only: bool = False,
         num_replayed_tokens: int = 0,
+        images: tuple[ImageRef, ...] = (),
+        pixels: dict[str, PixelInput] | None = None,
     ) -> None:
         """Validate and queue a request. Raises ValidationError or CapacityError.
 
+        `images`: the prompt's; `pixels`: those the encoder cache lacks (mm_inputs.py).
         `prefill_only` (n must be 1): the request stops after its first token and keeps its
         blocks pinned until `kv.release_pinned` (see the module docstring).
         `num_replayed_tokens`: the prompt's last tokens are output generated elsewhere (a
         migration), which a structured-output matcher accepts first.
         """
-        self.validate_request(request_id, prompt_token_ids, params, num_replayed_tokens)
+        pixels, replayed = pixels or {}, num_replayed_tokens
+        self.validate_request(request_id, prompt_token_ids, params, replayed)
+        self.intake.check_images(prompt_token_ids, images, pixels)
         if prefill_only and params.n != 1:
             raise ValidationError("sampling.n", "must be 1 for a prefill")
-        replayed = num_replayed_tokens
-        seqs = self.intake.sequences(request_id, prompt_token_ids, params, cache_salt, replayed)
+        seqs = self.intake.sequences(
+            request_id, prompt_token_ids, params, cache_salt, replayed, images, pixels
+        )
         for s in seqs:
             s.prefill_only = prefill_only
         self._groups[request_id] = seqs
-        for s in seqs:
-            self._requests[s.request_id] = s
+        self._requests.update((s.request_id, s) for s in seqs)
         self.scheduler.add(seqs[0])
         if len(seqs) > 1:
             if self.config.enable_prefix_caching:
@@ -178,7 +181,8 @@ class LLMEngine:
     def validate_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, replayed=0
     ) -> None:
-        """Every check `add_request` makes; raises ValidationError or CapacityError."""
+        """Every check `add_request` makes but its images'; raises ValidationError or
+        CapacityError."""
         in_use = request_id in self._groups or request_id in self.block_manager.req_blocks
         self.intake.check(request_id, prompt_token_ids, params, in_use=in_use, replayed=replayed)
 
@@ -191,9 +195,10 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str = "",
+        images: tuple[ImageRef, ...] = (),
     ) -> None:
         """Turn reservation `owner` (in `kv`) into a running request whose prompt KV is in its
-        blocks; KeyError when `owner` holds none.
+        blocks; KeyError when `owner` holds none. `images`: the prompt's (no pixels needed).
 
         The request starts with num_computed_tokens = prompt length and `first_token_id`
         appended (it is not emitted again); its full prompt blocks enter the prefix cache. A
@@ -202,11 +207,10 @@ class LLMEngine:
         """
         num_blocks = self.kv.reserved_blocks(owner)
         self.validate_request(request_id, prompt_token_ids, params)
-        self.intake.check_prefilled(prompt_token_ids, first_token_id, params, num_blocks)
-        [req] = self.intake.sequences(request_id, prompt_token_ids, params, cache_salt)
-        if req.matcher is not None and not req.matcher.accept(first_token_id):
-            raise ValidationError("first_token_id", "does not match the structured output")
-        self.intake.skip_first_draw(req)
+        self.intake.check_images(prompt_token_ids, images, None)
+        req = self.intake.prefilled(
+            request_id, prompt_token_ids, first_token_id, params, cache_salt, num_blocks, images
+        )
         self.kv.hand_over(owner, request_id)
         req.num_computed_tokens = req.num_prompt_tokens
         req.num_cached_tokens = 0
@@ -215,7 +219,8 @@ class LLMEngine:
         self._groups[request_id] = [req]
         self._requests[request_id] = req
         self.scheduler.add_running(req)
-        status = grammar_status(req, accepted=True) or self._check_finished(req, first_token_id)
+        status = grammar_status(req, accepted=True)
+        status = status or self.intake.finish_status(req, first_token_id)
         if status is not None:
             self._finish(req, status)
 
@@ -292,6 +297,8 @@ class LLMEngine:
                     self.block_manager.cache_full_blocks(req)
                 return outputs
         sched = self.scheduler.schedule()
+        for req in self.mm.drop_lacking(sched):  # its images are no longer at hand
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
         if not sched:
             self.last_step_cost, self.last_step_work = StepCost(), (0, 0)
             return outputs
@@ -301,8 +308,10 @@ class LLMEngine:
         # Host work from here to the sampler overlaps the device's (the batch is read before
         # the bookkeeping below advances the requests).
         if self.model_shape is not None:
-            self.last_step_cost = estimate_step_cost(self.model_shape, StepBatch.of(sched))
-        self.last_step_work = step_work(sched)
+            self.last_step_cost = flops.estimate_step_cost(
+                self.model_shape, flops.StepBatch.of(sched)
+            )
+        self.last_step_work = flops.step_work(sched)
         # Bookkeeping that needs no sampled token runs while the device computes.
         for s in sched.scheduled:
             req = s.request
@@ -341,7 +350,7 @@ class LLMEngine:
                 continue
             lp = logprobs[r] if logprobs is not None else None
             req.append_output(token, lp)
-            status = grammar_status(req) or self._check_finished(req, token)
+            status = grammar_status(req) or self.intake.finish_status(req, token)
             if status is None and req.prefill_only:
                 status = RequestStatus.PREFILLED
             if status is not None:
@@ -350,19 +359,10 @@ class LLMEngine:
         return outputs
 
     # ---- finishing -------------------------------------------------------------------------
-    def _check_finished(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.params
-        if token in req.stop_token_ids and req.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _finish(self, req: Request, status: RequestStatus, *, emit: bool = True) -> None:
         pin = req.prefill_only and status is not RequestStatus.FINISHED_ABORTED
         self.scheduler.finish(req, status, free_blocks=not pin)
+        self.mm.release(req)
         if pin:
             self.kv.pin(req)
         deferred = self._deferred.pop(req.request_id, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from llmfleet.engine.block_manager import BlockManager
+from llmfleet.engine.mm_inputs import MultimodalInputs
 from llmfleet.engine.model_runner import ModelRunner
 from llmfleet.engine.sampler import Sampler
 from llmfleet.engine.simulated import SimulatedRunner, SimulatedSampler
@@ -20,6 +21,15 @@ from llmfleet.models.parallel import TensorParallel
 from llmfleet.models.simulated import SimulatedModel, StepTime
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import ValidationError
+
+
+def torch_device(name: str) -> torch.device:
+    """The device `name` names; a bare "cuda" is the current CUDA device, by its index
+    (`torch.cuda.set_device` and CUDA IPC take only an indexed device)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def load_for(config: EngineConfig) -> LoadedModel:
@@ -63,14 +73,14 @@ def forward_pass(
     `config` is resolved. On CUDA the calling thread's current device becomes `device` (the
     graphs' kernels and Triton's launches go to the current device)."""
     if device.type == "cuda":
-        if device.index is None:  # "cuda": the current device, by its index
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch_device(str(device))
         torch.cuda.set_device(device)
     if isinstance(loaded.model, SimulatedModel):
         step_time = StepTime(
             config.sim_step_ms, config.sim_decode_ms_per_seq, config.sim_prefill_ms_per_token
         )
         runner = SimulatedRunner(loaded.spec, block_manager, step_time, device=device)
+        runner.mm = MultimodalInputs(loaded.model, device, 0)  # (takes no images)
         return runner, SimulatedSampler(loaded.model)
     if isinstance(loaded, TPLoadedModel):
         try:
@@ -93,6 +103,11 @@ def forward_pass(
         runner = ModelRunner(
             loaded.model, loaded.spec, block_manager, dtype=config.torch_dtype, device=device
         )
+    # Images: in-process encoder runs; a tensor-parallel step carries no input embeddings.
+    tp = isinstance(loaded, TPLoadedModel)
+    runner.mm = MultimodalInputs(
+        loaded.model, device, config.encoder_cache_mb << 20, tensor_parallel=tp
+    )
     graph_batch = min(config.cuda_graph_max_batch_size or 0, config.max_num_seqs or 0)
     if device.type == "cuda" and graph_batch > 0:
         try:

@@ -11,7 +11,8 @@ with the request's stop ids (plus the model's eos ids unless `ignore_eos`), the 
 its prefix-cache blocks (model id, cache salt) and, when seeded, its own generator on the
 engine's device seeded `seed + i`, and, with structured output, its own grammar matcher (which
 first accepts the prompt's last `num_replayed` tokens: output generated elsewhere before a
-migration).
+migration). A prompt's images are checked and attached (pins, M-RoPE positions) by
+mm_inputs.py.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from __future__ import annotations
 import torch
 
 from llmfleet.engine.block_manager import BlockManager
-from llmfleet.engine.request import Request
+from llmfleet.engine.mm_inputs import MultimodalInputs
+from llmfleet.engine.request import Request, RequestStatus
 from llmfleet.engine.structured import GrammarCache
 from llmfleet.models.loader import ModelSpec
 from llmfleet.shared.core.block_hash import HashContext
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.multimodal import ImageRef, PixelInput
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 
 
@@ -38,8 +41,10 @@ class RequestIntake:
         max_model_len: int,
         device: torch.device,
         grammars: GrammarCache | None,  # None: structured output unsupported (simulated)
+        mm: MultimodalInputs | None = None,  # images (vision-language models)
     ) -> None:
         self.spec = spec
+        self.mm = mm
         self.grammars = grammars
         self.limits = limits
         self.block_manager = block_manager  # read for the cache's geometry only
@@ -131,6 +136,20 @@ class RequestIntake:
         if not 0 <= first_token_id < self.spec.vocab_size:
             raise ValidationError("first_token_id", f"{first_token_id} is outside the vocabulary")
 
+    def check_images(
+        self,
+        prompt_token_ids: list[int],
+        images: tuple[ImageRef, ...],
+        pixels: dict[str, PixelInput] | None,
+    ) -> None:
+        """ValidationError naming `images` unless the model takes them and they sit on
+        placeholder runs of the prompt; `pixels` None: the prompt's KV is computed elsewhere,
+        else mm_inputs.MissingPixels for images neither cached nor in `pixels`."""
+        if images and self.mm is None:
+            raise ValidationError("images", "the served model takes no images")
+        if images and self.mm is not None:
+            self.mm.check(prompt_token_ids, images, pixels)
+
     def sequences(
         self,
         request_id: str,
@@ -138,8 +157,10 @@ class RequestIntake:
         params: SamplingParams,
         cache_salt: str,
         num_replayed: int = 0,
+        images: tuple[ImageRef, ...] = (),
+        pixels: dict[str, PixelInput] | None = None,
     ) -> list[Request]:
-        """The sequences of a request that passed `check`."""
+        """The sequences of a request that passed `check` (and `check_images`)."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)
@@ -160,13 +181,49 @@ class RequestIntake:
                     generator=generator,
                     parent_id=request_id,
                     index=i,
+                    images=tuple(images),
                 )
             )
+            if images and self.mm is not None:
+                self.mm.attach(seqs[-1], pixels or {})
         if params.structured_output is not None and self.grammars is not None:
             replay = prompt_token_ids[len(prompt_token_ids) - num_replayed :]
             for s in seqs:
                 s.matcher = self.grammars.matcher(params.structured_output, replay)
         return seqs
+
+    def prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        cache_salt: str,
+        num_blocks: int,
+        images: tuple[ImageRef, ...],
+    ) -> Request:
+        """The sequence of a request whose prompt was computed elsewhere into `num_blocks`
+        reserved blocks (`check_prefilled`), its matcher and generator past the first token."""
+        self.check_prefilled(prompt_token_ids, first_token_id, params, num_blocks)
+        [req] = self.sequences(request_id, prompt_token_ids, params, cache_salt, images=images)
+        if req.matcher is not None and not req.matcher.accept(first_token_id):
+            if self.mm is not None:
+                self.mm.release(req)  # (its pins)
+            raise ValidationError("first_token_id", "does not match the structured output")
+        self.skip_first_draw(req)
+        return req
+
+    def finish_status(self, req: Request, token: int) -> RequestStatus | None:
+        """Whether `req`'s newest token `token` ends it: a stop token (past min_tokens),
+        max_tokens or the context length."""
+        params = req.params
+        if token in req.stop_token_ids and req.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def skip_first_draw(self, req: Request) -> None:
         """Advance a seeded sequence's generator past the draw that sampled its first token

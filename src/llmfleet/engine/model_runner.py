@@ -18,6 +18,7 @@ import torch
 
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.cuda_graphs import DecodeGraphs, PaddedDecoder
+from llmfleet.engine.mm_inputs import MultimodalInputs
 from llmfleet.engine.request import Request
 from llmfleet.engine.scheduler import SchedulerOutput
 from llmfleet.models.attention.metadata import AttentionMetadata
@@ -111,6 +112,9 @@ class ModelRunner:
         # it ran an embedding's tokens (`keep_hidden`), for the engine's pooler; else None.
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # Images (vision-language models: encoder runs, input embeddings, M-RoPE positions);
+        # set by forward_pass.py.
+        self.mm: MultimodalInputs | None = None
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode batches of up to `max_batch_size` sequences whose
@@ -215,7 +219,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         self.keep_hidden = any(s.request.pooling is not None for s in sched.scheduled)
+        # Steps with image rows or shifted (M-RoPE) positions run eagerly.
+        mm = sched if self.mm is not None and self.mm.involved(sched) else None
         graphable = not self.keep_hidden and all(s.num_new_tokens == 1 for s in sched.scheduled)
+        graphable = graphable and mm is None
         if self.decode_graphs is not None and graphable:
             step = self._replay_decode(sched, self.decode_graphs)
             if step is not None:
@@ -233,17 +240,22 @@ class ModelRunner:
             if s.samples:
                 batch.sample_tokens.append(len(batch.input_ids) - 1)
                 sampling_rows.append(j)
-        return StepOutput(self.run(batch), sampling_rows)
+        return StepOutput(self.run(batch, mm), sampling_rows)
 
     @torch.inference_mode()
-    def run(self, batch: StepInputs) -> torch.Tensor:
-        """The forward pass of `batch` and its (len(sample_tokens), vocab) float32 logits."""
+    def run(self, batch: StepInputs, mm: SchedulerOutput | None = None) -> torch.Tensor:
+        """The forward pass of `batch` and its (len(sample_tokens), vocab) float32 logits;
+        `mm`: the step's schedule, when it has images or M-RoPE positions (mm_inputs.py)."""
         meta = AttentionMetadata.build(
             batch.query_lens, batch.seq_lens, batch.block_tables, self.bm.block_size, self.device
         )
         ids_t = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
+        if mm is not None and self.mm is not None:
+            embeds, pos_t = self.mm.inputs(mm, ids_t, pos_t)  # (T, hidden) | None, (T,) | (3, T)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
+        else:
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
         self.last_hidden = hidden if self.keep_hidden else None
         sample_tokens = batch.sample_tokens
         if not sample_tokens:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from llmfleet.shared.core.block_hash import ROOT_HASH, HashContext, hash_block_chain
+from llmfleet.shared.core.multimodal import ImageRef, PixelInput, mm_spans
 from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.pooling_params import PoolingParams
 from llmfleet.shared.core.sampling_params import SamplingParams
@@ -68,6 +69,15 @@ class Request:
     # has accepted every output token; None when unconstrained.
     matcher: Any = None
     pooling: PoolingParams | None = None  # an embedding: pooled, never sampled (pooling.py)
+    # The prompt's images (their placeholder runs enter the block hashes) and, for those the
+    # encoder cache lacked at admission, their pixels (mm_inputs.py drops them once encoded).
+    images: tuple[ImageRef, ...] = ()
+    pixels: dict[str, PixelInput] = field(default_factory=dict)
+    # M-RoPE models with images: the prompt's (3, num_prompt_tokens) int64 positions (CPU);
+    # a later token at sequence index i has position i + rope_delta on every axis.
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    encoder_seconds: float = 0.0  # vision encoder time spent on this request's images
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -82,7 +92,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self.block_hashes = hash_block_chain(self.all_token_ids, self.block_size, self.hash_context)
+        self.block_hashes = hash_block_chain(
+            self.all_token_ids, self.block_size, self.hash_context, mm_spans(self.images)
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +124,7 @@ class Request:
                     self.all_token_ids,
                     self.block_size,
                     self.hash_context,
+                    mm_spans(self.images),
                     start_block=len(self.block_hashes),
                     parent=parent,
                 )

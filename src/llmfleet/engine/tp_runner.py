@@ -26,6 +26,7 @@ import torch
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.cuda_graphs import PaddedDecoder
 from llmfleet.engine.model_runner import BlockRead, ModelRunner, StepInputs
+from llmfleet.engine.scheduler import SchedulerOutput
 from llmfleet.engine.tp_ranks import Ranks
 from llmfleet.engine.tp_step import (
     CAPTURE,
@@ -83,7 +84,9 @@ class TPModelRunner(ModelRunner):
         return logits
 
     @torch.inference_mode()
-    def run(self, batch: StepInputs) -> torch.Tensor:
+    def run(self, batch: StepInputs, mm: SchedulerOutput | None = None) -> torch.Tensor:
+        if mm is not None:  # (MultimodalInputs is disabled under tensor parallelism)
+            raise ValueError("a tensor-parallel step carries no input embeddings")
         counts, body = encode_step(batch)
         self.ranks.send(STEP, counts, body)
         logits = super().run(batch)

@@ -1,11 +1,18 @@
-"""The supported architectures, keyed by the name HF configs put in `architectures`."""
+"""The supported architectures, keyed by the name HF configs put in `architectures`.
+
+Text decoders are defined here. Vision-language models build one of these decoders inside
+(`text_model_class`), so they live in their own modules and are imported on first lookup
+(`MULTIMODAL_REGISTRY`: name -> (module, class)), which keeps the import graph acyclic.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from torch import nn
 
+from llmfleet.models.base import CausalLM
 from llmfleet.models.decoder import DecoderForCausalLM
 from llmfleet.models.layers import MLP
 from llmfleet.models.moe import SparseMoE
@@ -76,13 +83,47 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
 }
 
 
-def model_class(config: Any) -> type[DecoderForCausalLM]:
-    """The class for an HF config, by its first `architectures` entry."""
+# Vision-language models: architecture name -> (module, class), imported on first lookup.
+MULTIMODAL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlavaForConditionalGeneration": ("llmfleet.models.llava", "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": (
+        "llmfleet.models.qwen2_vl",
+        "Qwen2VLForConditionalGeneration",
+    ),
+}
+
+# The decoder inside a vision-language model, by its text config's `model_type` (sub-configs
+# carry no `architectures`).
+TEXT_MODEL_TYPES: dict[str, type[DecoderForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def model_class(config: Any) -> type[CausalLM]:
+    """The class for an HF config, by its first supported `architectures` entry."""
     names = list(getattr(config, "architectures", None) or [])
     for name in names:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
+        if name in MULTIMODAL_REGISTRY:
+            module, cls_name = MULTIMODAL_REGISTRY[name]
+            cls: type[CausalLM] = getattr(importlib.import_module(module), cls_name)
+            return cls
+    supported = sorted([*MODEL_REGISTRY, *MULTIMODAL_REGISTRY])
     raise ModelLoadError(
         f"unsupported architecture {names or '(none given in config)'}; "
-        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        f"supported: {', '.join(supported)}"
     )
+
+
+def text_model_class(text_config: Any) -> type[DecoderForCausalLM]:
+    """The decoder class of a vision-language model's text config, by its `model_type`."""
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in TEXT_MODEL_TYPES:
+        raise ModelLoadError(
+            f"text model type {model_type!r} of a vision-language model is not supported; "
+            f"supported: {', '.join(sorted(TEXT_MODEL_TYPES))}"
+        )
+    return TEXT_MODEL_TYPES[model_type]

@@ -176,10 +176,11 @@ class DecoderForCausalLM(CausalLM):
         positions: torch.Tensor,  # (T,) int64
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # (T, hidden): replaces the embedding lookup
     ) -> torch.Tensor:  # (T, hidden)
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
-        h = self.embed_tokens(input_ids)  # (T, hidden)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (T, hidden)
         rope = self.rotary_emb.at(positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -31,13 +31,14 @@ from llmfleet.models.checkpoint_files import (
     safetensors_files,
     safetensors_names,
 )
-from llmfleet.models.decoder import DecoderForCausalLM, kv_geometry
+from llmfleet.models.decoder import kv_geometry
 from llmfleet.models.fp8_linear import check_quantization, use_fp8_linears
 from llmfleet.models.gguf_file import GGUFFile
 from llmfleet.models.int4_checkpoint import Int4CheckpointFormat, checkpoint_format
 from llmfleet.models.int4_linear import use_int4_linears
 from llmfleet.models.int4_loading import int4_checkpoint_weights, int4_packed_weights, keeps_int4
 from llmfleet.models.layers import RMSNorm
+from llmfleet.models.multimodal import text_config, text_decoder
 from llmfleet.models.parallel import SINGLE, TensorParallel, kv_head_partition, take_shard
 from llmfleet.models.rotary import RotaryEmbedding
 from llmfleet.models.simulated import SimulatedModel
@@ -122,7 +123,7 @@ def open_checkpoint(path: str | None) -> Checkpoint:
         config = AutoConfig.from_pretrained(resolved)
         model_class(config)  # fail on an unsupported architecture before reading anything
         tokenizer = dir_tokenizer(resolved)
-        eos_ids = dir_eos_ids(resolved, config)
+        eos_ids = dir_eos_ids(resolved, text_config(config))
         model_id = resolved.name
     elif resolved.suffix == ".gguf":
         gf = GGUFFile(resolved)
@@ -132,7 +133,7 @@ def open_checkpoint(path: str | None) -> Checkpoint:
         model_id = BUNDLED_MODEL_ID if path is None else resolved.stem
     else:
         raise ModelLoadError(f"{resolved} is neither a checkpoint directory nor a .gguf file")
-    bos = getattr(config, "bos_token_id", None)
+    bos = getattr(text_config(config), "bos_token_id", None)
     if bos is None:
         bos = tokenizer.bos_token_id
     return Checkpoint(
@@ -153,7 +154,7 @@ def build_model(
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
     tp: TensorParallel | None = None,
-) -> DecoderForCausalLM:
+) -> CausalLM:
     """An empty (uninitialized) model of `config` in `dtype` on `device`: rank `tp.rank`'s
     shard under tensor parallelism."""
     cls = model_class(config)
@@ -176,8 +177,10 @@ def model_spec(
     bos_token_id: int | None = None,
     tp: TensorParallel | None = None,
 ) -> ModelSpec:
-    """The spec of a model of `config` (the KV geometry as the decoder derives it), of rank
-    `tp.rank`'s KV heads under tensor parallelism."""
+    """The spec of a model of `config` (the KV geometry as the decoder derives it, from the
+    text config of a vision-language model), of rank `tp.rank`'s KV heads under tensor
+    parallelism."""
+    config = text_config(config)
     total_kv_heads, head_dim = kv_geometry(config)
     tp = tp or SINGLE
     kv_heads, _ = kv_head_partition(total_kv_heads, config.num_attention_heads, tp.size)[tp.rank]
@@ -248,6 +251,9 @@ def randomize(
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, torch.nn.LayerNorm):  # vision towers
+            module.weight.fill_(1.0)
+            module.bias.zero_()
 
 
 def _stream_with_progress(
@@ -304,6 +310,8 @@ def load_model(
     names: list[str] = []  # a checkpoint directory's tensor names
     if gf is None:
         int4_format = checkpoint_format(config)
+        if int4_format is not None and text_config(config) is not config:
+            raise ModelLoadError("AWQ/GPTQ checkpoints of vision-language models are not supported")
         files = safetensors_files(resolved)
         names = safetensors_names(files)
         total = len(names)
@@ -330,16 +338,16 @@ def load_model(
     keep_int4 = keeps_int4(device, dtype) if int4_weights is None else int4_weights
     keep_int4 = keep_int4 and tp.size == 1
     if gf is not None and keep_int4:
-        targets, hf_names = int4_packed_weights(gf, model)
+        targets, hf_names = int4_packed_weights(gf, text_decoder(model))
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
         weights = gf.tensors(config, packed=frozenset(hf_names), packed_dtype=dtype)
     elif int4_format is not None:
         weights, total = int4_checkpoint_weights(
-            model, names, weights, int4_format, dtype, keep_int4
+            text_decoder(model), names, weights, int4_format, dtype, keep_int4
         )
     model.load_weights(_stream_with_progress(weights, total, progress))
     if quantization == "fp8":
-        use_fp8_linears(model)
+        use_fp8_linears(text_decoder(model))
 
     spec = ckpt.spec(dtype, type(model).__name__, tp)
     logger.log(
@@ -363,7 +371,7 @@ def _dummy_model(
     model = build_model(ckpt.config, dtype=dtype, device=device, backend=backend, tp=tp)
     randomize(model, ckpt.config, dtype=dtype, device=device, tp=tp)
     if quantization == "fp8":
-        use_fp8_linears(model)
+        use_fp8_linears(text_decoder(model))
     logger.info("%s: random weights (load format dummy) on %s", ckpt.model_id, device)
     spec = ckpt.spec(dtype, type(model).__name__, tp)
     return LoadedModel(model=model, spec=spec, tokenizer=ckpt.tokenizer)
@@ -374,7 +382,7 @@ def load_simulated(path: str | None, *, dtype: torch.dtype = torch.float32) -> L
     geometry, no weights; `dtype` is the (simulated) KV cache's."""
     ckpt = open_checkpoint(path)
     special = set(ckpt.tokenizer.all_special_ids) | set(ckpt.eos_token_ids)
-    vocab = int(ckpt.config.vocab_size)
+    vocab = int(text_config(ckpt.config).vocab_size)
     ordinary = tuple(t for t in range(min(vocab, len(ckpt.tokenizer))) if t not in special)
     model = SimulatedModel(ordinary)
     logger.info("simulating %s (%d ordinary tokens)", ckpt.model_id, len(ordinary))

@@ -4,6 +4,13 @@ A head vector x of size D is split into halves (x1, x2) = (x[:D/2], x[D/2:]) and
 (x1 * cos - x2 * sin, x2 * cos + x1 * sin) with angle position * inv_freq[j] for pair j.
 Frequencies follow `rope_type` "default", "linear" or "llama3" (Llama 3.1 wavelength-dependent
 scaling). cos/sin are tabulated once for every position up to `max_position`.
+
+M-RoPE (Qwen2-VL; rope parameters with `mrope_section` [s_t, s_h, s_w] summing to D/2): a
+token has three positions (t, h, w); pair j takes its angle from the t position for
+j < s_t, from h for the next s_h pairs, from w for the last s_w. Given (3, T) positions, `at`
+gathers each token's cos/sin row from the three axes' rows into a per-pass table of T rows
+and rotates with positions 0..T-1 into it, so every rotation kernel serves it unchanged. (T,)
+positions mean the same position on all three axes, which is plain 1-D rotary.
 """
 
 from __future__ import annotations
@@ -82,6 +89,20 @@ class RotaryEmbedding(nn.Module):
         self.params = dict(params)
         # Follows the default device, so building under `torch.device("meta")` costs nothing.
         self.cos_sin = self._table(None)
+        self.mrope_section: tuple[int, ...] | None = None
+        if params.get("mrope_section"):
+            self.mrope_section = tuple(int(s) for s in params["mrope_section"])
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != rotary_dim // 2:
+                raise ModelLoadError(
+                    f"mrope_section {list(self.mrope_section)} must be 3 sizes summing to "
+                    f"{rotary_dim // 2}, half the rotary dimension"
+                )
+            # Which axis (0 t, 1 h, 2 w) each [cos | sin] column of the table is taken from
+            # (on the CPU even while a model is built on the meta device).
+            cpu = torch.device("cpu")
+            sizes = torch.tensor(self.mrope_section, device=cpu)
+            axis = torch.repeat_interleave(torch.arange(3, device=cpu), sizes)
+            self._mrope_axis = torch.cat([axis, axis])  # (rotary_dim,) int64
 
     def _table(self, device: torch.device | None) -> torch.Tensor:  # (max_position, rotary_dim)
         inv_freq = compute_inv_freq(self.rotary_dim, self.params, device)
@@ -94,10 +115,26 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(torch.device(device))
 
     def at(self, positions: torch.Tensor) -> RotaryPositions:
-        """The rotary inputs of one forward pass over tokens at `positions` (T,) int64."""
+        """The rotary inputs of one forward pass over tokens at `positions`: (T,) int64, or
+        (3, T) int64 (t, h, w) positions for M-RoPE."""
         if self.cos_sin.device != positions.device:
             self.rebuild(positions.device)
-        return RotaryPositions(positions, self.cos_sin)
+        if positions.dim() == 1:
+            return RotaryPositions(positions, self.cos_sin)
+        return self._mrope_at(positions)
+
+    def _mrope_at(self, positions: torch.Tensor) -> RotaryPositions:  # positions (3, T)
+        if self.mrope_section is None or positions.shape[0] != 3:
+            raise ValueError(
+                f"positions of shape {tuple(positions.shape)} need M-RoPE (3, T); this "
+                f"rotary has mrope_section {self.mrope_section}"
+            )
+        t, r = positions.shape[1], self.rotary_dim
+        if self._mrope_axis.device != positions.device:
+            self._mrope_axis = self._mrope_axis.to(positions.device)
+        rows = self.cos_sin.index_select(0, positions.reshape(-1)).view(3, t, r)
+        table = rows.gather(0, self._mrope_axis.view(1, 1, r).expand(1, t, r))[0]  # (T, r)
+        return RotaryPositions(torch.arange(t, device=positions.device), table)
 
 
 class RotaryPositions:

@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.image_source import ImageSource
 from llmfleet.text.tool_prompt import shape_for_template, template_support
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -22,7 +23,8 @@ ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Check roles, contents and tool calls; returns plain dicts ({role, content} and, where
-    set, `tool_calls` [{id, name, arguments}], `tool_call_id`, `name`)."""
+    set, `tool_calls` [{id, name, arguments}], `tool_call_id`, `name`). A content is a string,
+    or a list of parts with images (`_content`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValidationError("messages", "must be a list of messages")
     if not messages:
@@ -36,9 +38,7 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise ValidationError(
                 f"messages[{i}].role", f"must be one of {sorted(ROLES)}, got {role!r}"
             )
-        if not isinstance(message.get("content"), str):
-            raise ValidationError(f"messages[{i}].content", "must be a string")
-        out: dict[str, Any] = {"role": role, "content": message["content"]}
+        out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), i, role)}
         calls = message.get("tool_calls") or ()
         if calls and role != "assistant":
             raise ValidationError(f"messages[{i}].tool_calls", "only assistant messages have them")
@@ -58,6 +58,66 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return checked
 
 
+def _content(content: Any, i: int, role: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or a list of text and image parts. A list without
+    images is joined into one string (what text-only templates expect); one with images stays
+    a list of {"type": "text", "text"} and {"type": "image", "image": ImageSource} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence):
+        raise ValidationError(f"messages[{i}].content", "must be a string or a list of parts")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image" and isinstance(part.get("image"), ImageSource):
+            if role != "user":
+                raise ValidationError(where, f"images are accepted in user messages, not {role}")
+            parts.append({"type": "image", "image": part["image"]})
+        else:
+            raise ValidationError(where, "must be a text part or an image part")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def chat_images(messages: Sequence[Mapping[str, Any]]) -> list[tuple[ImageSource, str]]:
+    """The image parts of validated messages, in order, with where each is
+    (`messages[i].content[j]`)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m["content"], list):
+            for j, part in enumerate(m["content"]):
+                if part["type"] == "image":
+                    out.append((part["image"], f"messages[{i}].content[{j}]"))
+    return out
+
+
+def chat_texts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """Every text of validated messages with where it is (`messages[i].content[j]` for a part)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m["content"], str):
+            out.append((m["content"], f"messages[{i}].content"))
+        else:
+            for j, part in enumerate(m["content"]):
+                if part["type"] == "text":
+                    out.append((part["text"], f"messages[{i}].content[{j}]"))
+    return out
+
+
+def _for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Image parts as HF chat templates expect them: {"type": "image"} (the source left out)."""
+    return [
+        {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -67,7 +127,7 @@ def render_chat(
 ) -> str:
     """The prompt text the model's chat template makes of `messages` and `tools` ({name,
     description, parameters}); tool_prompt.py shapes them for templates that ignore tools."""
-    checked = validate_messages(messages)
+    checked = _for_template(validate_messages(messages))
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValidationError("messages", "model has no chat template")

@@ -90,18 +90,36 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: ImageInput
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageInput, _Mapping]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("data", "url")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
@@ -206,3 +224,17 @@ class LoadReport(_message.Message):
     step_seconds_per_seq: float
     max_num_batched_tokens: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_active_leases: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., fetch_seconds_per_token: _Optional[float] = ..., step_seconds_per_seq: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+
+class ImageRef(_message.Message):
+    __slots__ = ("content_hash", "offset", "length", "grid", "media_endpoint")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    content_hash: str
+    offset: int
+    length: int
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    media_endpoint: str
+    def __init__(self, content_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., grid: _Optional[_Iterable[int]] = ..., media_endpoint: _Optional[str] = ...) -> None: ...

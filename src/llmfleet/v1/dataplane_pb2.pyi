@@ -162,3 +162,37 @@ class KVStoreHeader(_message.Message):
     error: str
     traceparent: str
     def __init__(self, op: _Optional[_Union[KVStoreOp, str]] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[str] = ..., found_count: _Optional[int] = ..., error: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class MediaRequest(_message.Message):
+    __slots__ = ("seq", "content_hashes", "traceparent")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    content_hashes: _containers.RepeatedScalarFieldContainer[str]
+    traceparent: str
+    def __init__(self, seq: _Optional[int] = ..., content_hashes: _Optional[_Iterable[str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class MediaTensor(_message.Message):
+    __slots__ = ("content_hash", "dtype", "shape", "grid")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    content_hash: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, content_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., grid: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MediaReply(_message.Message):
+    __slots__ = ("seq", "images", "missing", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    images: _containers.RepeatedCompositeFieldContainer[MediaTensor]
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    def __init__(self, seq: _Optional[int] = ..., images: _Optional[_Iterable[_Union[MediaTensor, _Mapping]]] = ..., missing: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -18,10 +18,12 @@ class TokenizeRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ..., max_num_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "images")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageRef]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ...) -> None: ...
 
 class DetokenizeOpen(_message.Message):
     __slots__ = ("sequence_id", "prompt_token_ids", "stop", "include_stop_str_in_output", "skip_special_tokens")

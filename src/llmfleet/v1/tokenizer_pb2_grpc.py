@@ -52,7 +52,8 @@ class TokenizerServicer:
     """
 
     def Tokenize(self, request, context):
-        """Text or chat messages to token ids.
+        """Text or chat messages to token ids; a chat's images are preprocessed into the media store
+        and returned as ImageRefs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

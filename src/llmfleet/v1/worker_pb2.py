@@ -26,7 +26,7 @@ from llmfleet.v1 import common_pb2 as llmfleet_dot_v1_dot_common__pb2
 from llmfleet.v1 import embedding_pb2 as llmfleet_dot_v1_dot_embedding__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmfleet/v1/worker.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\x1a\x1bllmfleet/v1/embedding.proto\"\xb9\x01\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0ereply_endpoint\x18\x05 \x01(\t\x12\x1b\n\x13num_replayed_tokens\x18\x06 \x01(\x03\"/\n\x12\x41\x64\x64RequestResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\x03\"\x81\x01\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12)\n\x06reason\x18\x03 \x01(\x0e\x32\x19.llmfleet.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x04 \x01(\tB\x08\n\x06_index\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x17\n\x15GetWorkerStatsRequest\"\xc8\x03\n\x16GetWorkerStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.llmfleet.v1.WorkerRole\x12%\n\x04load\x18\x03 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x03\x12\x1e\n\x16kvstore_blocks_fetched\x18\x06 \x01(\x03\x12\x1d\n\x15kvstore_blocks_stored\x18\x07 \x01(\x03\x12 \n\x13kvstore_view_blocks\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x1f\n\x17kvstore_lookups_skipped\x18\t \x01(\x03\x12\x1e\n\x16kvstore_blocks_dropped\x18\n \x01(\x03\x12\x17\n\x0fkv_pushed_bytes\x18\x0b \x01(\x03\x12\x12\n\nkv_push_us\x18\x0c \x01(\x03\x12\x15\n\rkv_pushes_gpu\x18\r \x01(\x03\x12\x16\n\x0ekv_pushes_host\x18\x0e \x01(\x03\x42\x16\n\x14_kvstore_view_blocks\"\x16\n\x14GetKVSnapshotRequest\"_\n\x15GetKVSnapshotResponse\x12\x14\n\x0cpublisher_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"o\n\x07KVLease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x03 \x01(\x03\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x03\"Q\n\x10ReserveKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\x03\"8\n\x11ReserveKVResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.llmfleet.v1.KVLease\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12#\n\x05lease\x18\x05 \x01(\x0b\x32\x14.llmfleet.v1.KVLease\"\xb7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x35\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1d.llmfleet.v1.PositionLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x16\n\x0ekv_transfer_us\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\"\xd6\x01\n\x12StartDecodeRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\x03\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x16\n\x0ereply_endpoint\x18\x08 \x01(\t\"\x15\n\x13StartDecodeResponse\"3\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xbd\x05\n\x06Worker\x12M\n\nAddRequest\x12\x1e.llmfleet.v1.AddRequestRequest\x1a\x1f.llmfleet.v1.AddRequestResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.llmfleet.v1.CancelRequest\x1a\x1b.llmfleet.v1.CancelResponse\x12Y\n\x0eGetWorkerStats\x12\".llmfleet.v1.GetWorkerStatsRequest\x1a#.llmfleet.v1.GetWorkerStatsResponse\x12V\n\rGetKVSnapshot\x12!.llmfleet.v1.GetKVSnapshotRequest\x1a\".llmfleet.v1.GetKVSnapshotResponse\x12J\n\tReserveKV\x12\x1d.llmfleet.v1.ReserveKVRequest\x1a\x1e.llmfleet.v1.ReserveKVResponse\x12\x44\n\x07Prefill\x12\x1b.llmfleet.v1.PrefillRequest\x1a\x1c.llmfleet.v1.PrefillResponse\x12P\n\x0bStartDecode\x12\x1f.llmfleet.v1.StartDecodeRequest\x1a .llmfleet.v1.StartDecodeResponse\x12J\n\tReleaseKV\x12\x1d.llmfleet.v1.ReleaseKVRequest\x1a\x1e.llmfleet.v1.ReleaseKVResponse\x12>\n\x05\x45mbed\x12\x19.llmfleet.v1.EmbedRequest\x1a\x1a.llmfleet.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmfleet/v1/worker.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\x1a\x1bllmfleet/v1/embedding.proto\"\xe0\x01\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x16\n\x0ereply_endpoint\x18\x05 \x01(\t\x12\x1b\n\x13num_replayed_tokens\x18\x06 \x01(\x03\x12%\n\x06images\x18\x07 \x03(\x0b\x32\x15.llmfleet.v1.ImageRef\"/\n\x12\x41\x64\x64RequestResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\x03\"\x81\x01\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12)\n\x06reason\x18\x03 \x01(\x0e\x32\x19.llmfleet.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x04 \x01(\tB\x08\n\x06_index\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x17\n\x15GetWorkerStatsRequest\"\xc8\x03\n\x16GetWorkerStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.llmfleet.v1.WorkerRole\x12%\n\x04load\x18\x03 \x01(\x0b\x32\x17.llmfleet.v1.LoadReport\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x03\x12\x1e\n\x16kvstore_blocks_fetched\x18\x06 \x01(\x03\x12\x1d\n\x15kvstore_blocks_stored\x18\x07 \x01(\x03\x12 \n\x13kvstore_view_blocks\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x1f\n\x17kvstore_lookups_skipped\x18\t \x01(\x03\x12\x1e\n\x16kvstore_blocks_dropped\x18\n \x01(\x03\x12\x17\n\x0fkv_pushed_bytes\x18\x0b \x01(\x03\x12\x12\n\nkv_push_us\x18\x0c \x01(\x03\x12\x15\n\rkv_pushes_gpu\x18\r \x01(\x03\x12\x16\n\x0ekv_pushes_host\x18\x0e \x01(\x03\x42\x16\n\x14_kvstore_view_blocks\"\x16\n\x14GetKVSnapshotRequest\"_\n\x15GetKVSnapshotResponse\x12\x14\n\x0cpublisher_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"o\n\x07KVLease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x03 \x01(\x03\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x03\"Q\n\x10ReserveKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\x03\"8\n\x11ReserveKVResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.llmfleet.v1.KVLease\"\xcd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12#\n\x05lease\x18\x05 \x01(\x0b\x32\x14.llmfleet.v1.KVLease\x12%\n\x06images\x18\x06 \x03(\x0b\x32\x15.llmfleet.v1.ImageRef\"\xb7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x35\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1d.llmfleet.v1.PositionLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x16\n\x0ekv_transfer_us\x18\x05 \x01(\x03\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\"\xfd\x01\n\x12StartDecodeRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\x03\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.llmfleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x16\n\x0ereply_endpoint\x18\x08 \x01(\t\x12%\n\x06images\x18\t \x03(\x0b\x32\x15.llmfleet.v1.ImageRef\"\x15\n\x13StartDecodeResponse\"3\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xbd\x05\n\x06Worker\x12M\n\nAddRequest\x12\x1e.llmfleet.v1.AddRequestRequest\x1a\x1f.llmfleet.v1.AddRequestResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.llmfleet.v1.CancelRequest\x1a\x1b.llmfleet.v1.CancelResponse\x12Y\n\x0eGetWorkerStats\x12\".llmfleet.v1.GetWorkerStatsRequest\x1a#.llmfleet.v1.GetWorkerStatsResponse\x12V\n\rGetKVSnapshot\x12!.llmfleet.v1.GetKVSnapshotRequest\x1a\".llmfleet.v1.GetKVSnapshotResponse\x12J\n\tReserveKV\x12\x1d.llmfleet.v1.ReserveKVRequest\x1a\x1e.llmfleet.v1.ReserveKVResponse\x12\x44\n\x07Prefill\x12\x1b.llmfleet.v1.PrefillRequest\x1a\x1c.llmfleet.v1.PrefillResponse\x12P\n\x0bStartDecode\x12\x1f.llmfleet.v1.StartDecodeRequest\x1a .llmfleet.v1.StartDecodeResponse\x12J\n\tReleaseKV\x12\x1d.llmfleet.v1.ReleaseKVRequest\x1a\x1e.llmfleet.v1.ReleaseKVResponse\x12>\n\x05\x45mbed\x12\x19.llmfleet.v1.EmbedRequest\x1a\x1a.llmfleet.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmfleet.v1.worker_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADDREQUESTREQUEST']._serialized_start=97
-  _globals['_ADDREQUESTREQUEST']._serialized_end=282
-  _globals['_ADDREQUESTRESPONSE']._serialized_start=284
-  _globals['_ADDREQUESTRESPONSE']._serialized_end=331
-  _globals['_CANCELREQUEST']._serialized_start=334
-  _globals['_CANCELREQUEST']._serialized_end=463
-  _globals['_CANCELRESPONSE']._serialized_start=465
-  _globals['_CANCELRESPONSE']._serialized_end=496
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=498
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=521
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=524
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=980
-  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=982
-  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=1004
-  _globals['_GETKVSNAPSHOTRESPONSE']._serialized_start=1006
-  _globals['_GETKVSNAPSHOTRESPONSE']._serialized_end=1101
-  _globals['_KVLEASE']._serialized_start=1103
-  _globals['_KVLEASE']._serialized_end=1214
-  _globals['_RESERVEKVREQUEST']._serialized_start=1216
-  _globals['_RESERVEKVREQUEST']._serialized_end=1297
-  _globals['_RESERVEKVRESPONSE']._serialized_start=1299
-  _globals['_RESERVEKVRESPONSE']._serialized_end=1355
-  _globals['_PREFILLREQUEST']._serialized_start=1358
-  _globals['_PREFILLREQUEST']._serialized_end=1524
-  _globals['_PREFILLRESPONSE']._serialized_start=1527
-  _globals['_PREFILLRESPONSE']._serialized_end=1710
-  _globals['_STARTDECODEREQUEST']._serialized_start=1713
-  _globals['_STARTDECODEREQUEST']._serialized_end=1927
-  _globals['_STARTDECODERESPONSE']._serialized_start=1929
-  _globals['_STARTDECODERESPONSE']._serialized_end=1950
-  _globals['_RELEASEKVREQUEST']._serialized_start=1952
-  _globals['_RELEASEKVREQUEST']._serialized_end=2003
-  _globals['_RELEASEKVRESPONSE']._serialized_start=2005
-  _globals['_RELEASEKVRESPONSE']._serialized_end=2042
-  _globals['_WORKER']._serialized_start=2045
-  _globals['_WORKER']._serialized_end=2746
+  _globals['_ADDREQUESTREQUEST']._serialized_end=321
+  _globals['_ADDREQUESTRESPONSE']._serialized_start=323
+  _globals['_ADDREQUESTRESPONSE']._serialized_end=370
+  _globals['_CANCELREQUEST']._serialized_start=373
+  _globals['_CANCELREQUEST']._serialized_end=502
+  _globals['_CANCELRESPONSE']._serialized_start=504
+  _globals['_CANCELRESPONSE']._serialized_end=535
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=537
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=560
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=563
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1019
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_start=1021
+  _globals['_GETKVSNAPSHOTREQUEST']._serialized_end=1043
+  _globals['_GETKVSNAPSHOTRESPONSE']._serialized_start=1045
+  _globals['_GETKVSNAPSHOTRESPONSE']._serialized_end=1140
+  _globals['_KVLEASE']._serialized_start=1142
+  _globals['_KVLEASE']._serialized_end=1253
+  _globals['_RESERVEKVREQUEST']._serialized_start=1255
+  _globals['_RESERVEKVREQUEST']._serialized_end=1336
+  _globals['_RESERVEKVRESPONSE']._serialized_start=1338
+  _globals['_RESERVEKVRESPONSE']._serialized_end=1394
+  _globals['_PREFILLREQUEST']._serialized_start=1397
+  _globals['_PREFILLREQUEST']._serialized_end=1602
+  _globals['_PREFILLRESPONSE']._serialized_start=1605
+  _globals['_PREFILLRESPONSE']._serialized_end=1788
+  _globals['_STARTDECODEREQUEST']._serialized_start=1791
+  _globals['_STARTDECODEREQUEST']._serialized_end=2044
+  _globals['_STARTDECODERESPONSE']._serialized_start=2046
+  _globals['_STARTDECODERESPONSE']._serialized_end=2067
+  _globals['_RELEASEKVREQUEST']._serialized_start=2069
+  _globals['_RELEASEKVREQUEST']._serialized_end=2120
+  _globals['_RELEASEKVRESPONSE']._serialized_start=2122
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2159
+  _globals['_WORKER']._serialized_start=2162
+  _globals['_WORKER']._serialized_end=2863
 # @@protoc_insertion_point(module_scope)

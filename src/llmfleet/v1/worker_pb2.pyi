@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddRequestRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "reply_endpoint", "num_replayed_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "reply_endpoint", "num_replayed_tokens", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     REPLY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     reply_endpoint: str
     num_replayed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., reply_endpoint: _Optional[str] = ..., num_replayed_tokens: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageRef]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., reply_endpoint: _Optional[str] = ..., num_replayed_tokens: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ...) -> None: ...
 
 class AddRequestResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)
@@ -131,18 +133,20 @@ class ReserveKVResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[KVLease, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lease")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lease", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     lease: KVLease
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageRef]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease: _Optional[_Union[KVLease, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "kv_bytes", "kv_transfer_us", "finished")
@@ -161,7 +165,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.PositionLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_us: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class StartDecodeRequest(_message.Message):
-    __slots__ = ("lease_id", "epoch", "request_id", "prompt_token_ids", "first_token_id", "sampling", "cache_salt", "reply_endpoint")
+    __slots__ = ("lease_id", "epoch", "request_id", "prompt_token_ids", "first_token_id", "sampling", "cache_salt", "reply_endpoint", "images")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +174,7 @@ class StartDecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     REPLY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     epoch: int
     request_id: str
@@ -178,7 +183,8 @@ class StartDecodeRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     reply_endpoint: str
-    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., reply_endpoint: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageRef]
+    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., reply_endpoint: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ...) -> None: ...
 
 class StartDecodeResponse(_message.Message):
     __slots__ = ()

@@ -110,7 +110,7 @@ async def _messages(request: Request) -> Response:
         "session_id": str((body.metadata or {}).get("user_id") or ""),
         **tools.call_kwargs(),
     }
-    params = {"stop": "stop_sequences", "chat.messages": "messages"}
+    params = {"stop": "stop_sequences", "chat.messages": "messages", **ac.part_origins(body)}
     constrain(kwargs, params, (body.output_config or {}).get("format"), "output_config.format")
     call = Call("chat", ac.new_message_id(), kwargs, body.stream, False, params)
     num_prompt = await _num_prompt_tokens(up, messages, tools) if body.stream else 0

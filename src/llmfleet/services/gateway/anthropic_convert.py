@@ -1,6 +1,7 @@
 """Anthropic's Messages API (`/v1/messages`): request bodies, conversions and objects, pure.
 
-A request's `system` and `messages` become chat messages: text blocks joined; an assistant's
+A request's `system` and `messages` become chat messages: text blocks joined (or, with a
+user's `image` blocks, text and image parts in order: content.py); an assistant's
 `tool_use` blocks its `tool_calls` ({id, name, arguments as JSON text}); a user's `tool_result`
 blocks `tool` messages (in front of the user's text, which follows the results). `thinking`
 blocks of earlier turns are dropped, as a template without thinking support would. Errors are
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmfleet.client.messages import Usage
+from llmfleet.services.gateway.content import anthropic_image
 from llmfleet.services.gateway.errors import APIError, invalid
 from llmfleet.services.gateway.tool_calls import ToolCall, whole_calls
 
@@ -124,6 +126,7 @@ def _turn(i: int, m: _Message) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     text: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, when there are images
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(m.content):
@@ -131,6 +134,9 @@ def _turn(i: int, m: _Message) -> list[dict[str, Any]]:
         kind = block.get("type")
         if kind == "text":
             text.append(_block_text(block, where))
+            parts.append({"type": "text", "text": text[-1]})
+        elif kind == "image" and m.role == "user":
+            parts.append(anthropic_image(block, where))
         elif kind == "tool_use" and m.role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise invalid(where, f"{where}: a tool_use block has a string id and name")
@@ -151,8 +157,9 @@ def _turn(i: int, m: _Message) -> list[dict[str, Any]]:
                 f"{where}.type: {kind!r} blocks are not supported in {m.role} messages",
             )
     out = list(results)
-    if text or not results:
-        turn: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+    images = len(parts) > len(text)
+    if text or images or not results:
+        turn: dict[str, Any] = {"role": m.role, "content": parts if images else "".join(text)}
         if calls:
             turn["tool_calls"] = calls
         out.append(turn)
@@ -165,6 +172,33 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _texts(req.system, "system")})
     for i, m in enumerate(req.messages):
         out.extend(_turn(i, m))
+    return out
+
+
+def part_origins(req: CountTokensRequest) -> dict[str, str]:
+    """Where each chat message's content came from, keyed by its path in GenerateRequest
+    (`chat.messages[k].parts[p]`, `chat.messages[k].content`): the fleet names a bad image or
+    text by that path, and the error then names the request's block (`messages[i].content[j]`)
+    though `system` and `tool_result` blocks shift the chat's message indices."""
+    out: dict[str, str] = {}
+    k = 1 if req.system else 0
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            out[f"chat.messages[{k}].content"] = f"messages[{i}].content"
+            k += 1
+            continue
+        kinds = [b.get("type") if isinstance(b, dict) else None for b in m.content]
+        k += kinds.count("tool_result") if m.role == "user" else 0
+        shown = [
+            j for j, t in enumerate(kinds) if t == "text" or (t == "image" and m.role == "user")
+        ]
+        images = any(kinds[j] == "image" for j in shown)
+        if shown or kinds.count("tool_result") == 0 or m.role != "user":
+            if images:
+                for p, j in enumerate(shown):
+                    out[f"chat.messages[{k}].parts[{p}]"] = f"messages[{i}].content[{j}]"
+            out[f"chat.messages[{k}].content"] = f"messages[{i}].content"
+            k += 1
     return out
 
 

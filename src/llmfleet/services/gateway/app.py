@@ -63,12 +63,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tok = tokenizer
+        tok, images = tokenizer, None
         if tok is None:
+            from llmfleet.text.image_processing import load_image_processor
             from llmfleet.text.loading import load_tokenizer
 
             tok = await asyncio.to_thread(load_tokenizer, config.model)
-        app.state.upstream = Upstream(config, tok, api_key=keys.any_secret())
+            # A vision-language model's: it counts images' tokens for the default max_tokens.
+            images = await asyncio.to_thread(load_image_processor, config.model, tok)
+        app.state.upstream = Upstream(config, tok, api_key=keys.any_secret(), images=images)
         try:
             yield
         finally:

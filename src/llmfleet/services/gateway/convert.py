@@ -17,6 +17,7 @@ from typing import Any
 from llmfleet.client.messages import GenerateResult, Usage
 from llmfleet.services.gateway import guided
 from llmfleet.services.gateway.chat_tools import call_in, tool_call_out, tools_finish_reason
+from llmfleet.services.gateway.content import openai_content
 from llmfleet.services.gateway.errors import from_validation, invalid
 from llmfleet.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -140,28 +141,13 @@ def _constrained(
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as {role, content} strings ("developer" read as "system", text parts joined),
-    with an assistant turn's `tool_calls` [{id, name, arguments}] and a tool's `tool_call_id`."""
+    """Messages as {role, content} ("developer" read as "system"; text parts joined, parts
+    kept as a list when there are images), with an assistant turn's `tool_calls` [{id, name,
+    arguments}] and a tool's `tool_call_id`."""
     out = []
     for i, m in enumerate(messages):
-        if m.content is None:
-            if m.role != "assistant":
-                raise invalid(f"messages[{i}].content", "must be a string or a list of parts")
-            text = ""
-        elif isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise invalid(
-                        f"messages[{i}].content[{j}]",
-                        f"only text content parts are supported, got type {part.type!r}",
-                    )
-                parts.append(part.text)
-            text = "".join(parts)
         role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": text}
+        msg: dict[str, Any] = {"role": role, "content": openai_content(m, i)}
         if m.tool_calls:
             if m.role != "assistant":
                 raise invalid(f"messages[{i}].tool_calls", "only assistant messages have them")

@@ -108,7 +108,8 @@ def param_for(path: str, overrides: Mapping[str, str] | None = None) -> str:
     if overrides and name in overrides:
         return overrides[name]
     if name.startswith("chat."):  # chat.messages[0].role -> messages[0].role
-        return name.removeprefix("chat.")
+        # A content part: chat.messages[1].parts[0] -> messages[1].content[0]
+        return name.removeprefix("chat.").replace(".parts[", ".content[")
     return _PARAMS.get(name, name)
 
 

@@ -29,18 +29,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class TextPart(_Body):
-    """One part of a message's content given as a list of parts."""
+class ContentPart(_Body):
+    """One part of a message's content given as a list of parts: "text" ({text}) or
+    "image_url" ({image_url: {url, detail}} or the bare URL string)."""
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(_Body):
     role: str
-    # A string, a list of parts (only "text" parts are served), or null for an assistant turn
-    # that only carried tool calls.
-    content: str | list[TextPart] | None = None
+    # A string, a list of text and image parts, or null for an assistant turn that only
+    # carried tool calls.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     # An assistant turn's calls ([{id, type: "function", function: {name, arguments}}]) and a
     # tool message's answer to one.

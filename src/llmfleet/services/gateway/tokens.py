@@ -16,7 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmfleet.shared.core.errors import ValidationError
-from llmfleet.text.chat import encode_rendered, render_chat
+from llmfleet.text.chat import chat_images, encode_rendered, render_chat, validate_messages
+from llmfleet.text.image_processing import ImageProcessor
+from llmfleet.text.media import image_size
 from llmfleet.text.prompt_bound import max_bytes_per_token, min_num_tokens
 
 logger = logging.getLogger(__name__)
@@ -43,10 +45,14 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class TokenSpeller:
-    """Token text and bytes by id, cached; plus chat prompt lengths. Thread-safe for reads."""
+    """Token text and bytes by id, cached; plus chat prompt lengths. Thread-safe for reads.
 
-    def __init__(self, tokenizer: Any) -> None:
+    `images`: the served model's image processor (None: a text-only model), to count an
+    image's placeholder tokens from its size."""
+
+    def __init__(self, tokenizer: Any, images: ImageProcessor | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def spell(self, token_id: int) -> tuple[str, list[int]]:
@@ -89,6 +95,7 @@ class TokenSpeller:
         text = render_chat(
             self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools
         )
+        extra = self._image_tokens(messages)
         if max_num_tokens is not None and self._per_token is not None:
             at_least = min_num_tokens(text, self._per_token)
             if at_least > max_num_tokens:
@@ -97,7 +104,7 @@ class TokenSpeller:
                     f"the prompt has at least {at_least} tokens, more than the context length "
                     f"of {max_num_tokens} tokens",
                 )
-        num = len(encode_rendered(self.tokenizer, text))
+        num = len(encode_rendered(self.tokenizer, text)) + extra
         if max_num_tokens is not None and num > max_num_tokens:
             raise ValidationError(
                 "messages",
@@ -105,6 +112,24 @@ class TokenSpeller:
                 f"{max_num_tokens} tokens",
             )
         return num
+
+    def _image_tokens(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        """The tokens the images add beyond their one placeholder each in the rendered text:
+        counted from inline images' sizes (their headers, not decoded); an image named by URL
+        counts as the processor's largest. ValidationError for a model without images."""
+        sources = chat_images(validate_messages(messages))
+        if not sources:
+            return 0
+        if self.images is None:
+            raise ValidationError(sources[0][1], "the model does not accept images")
+        extra = 0
+        for source, _ in sources:
+            size = image_size(source.data) if source.data else None
+            if size is None:  # the tokenizer service reads (and judges) it
+                extra += self.images.max_num_tokens() - 1
+            else:
+                extra += self.images.num_tokens_for_size(*size) - 1
+        return extra
 
     @functools.cached_property
     def _per_token(self) -> int | None:

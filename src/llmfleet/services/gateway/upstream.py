@@ -19,6 +19,7 @@ from llmfleet.services.gateway.errors import APIError, model_not_found
 from llmfleet.services.gateway.tokens import TokenSpeller
 from llmfleet.shared.core.config import GatewayConfig
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.text.image_processing import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,18 @@ class Upstream:
     """Create and use inside one running event loop (the gRPC channel is bound to it)."""
 
     def __init__(
-        self, config: GatewayConfig, tokenizer: Any, *, api_key: str | None = None
+        self,
+        config: GatewayConfig,
+        tokenizer: Any,
+        *,
+        api_key: str | None = None,
+        images: ImageProcessor | None = None,
     ) -> None:
-        """`api_key`: sent with the gateway's own calls; Generate calls carry their caller's."""
+        """`api_key`: sent with the gateway's own calls; Generate calls carry their caller's.
+        `images`: the served model's image processor (None: it takes no images)."""
         self.config = config
         self.client = AsyncGenerationClient(config.router_address, api_key=api_key)
-        self.speller = TokenSpeller(tokenizer)
+        self.speller = TokenSpeller(tokenizer, images)
         self._model: ServedModel | None = None
         self._lock = asyncio.Lock()
 

@@ -30,6 +30,7 @@ from llmfleet.services.router.routing import RouteDecision
 from llmfleet.shared.core.api_keys import KeyRing, bearer_secret, tenant_salt
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.multimodal import ImageRef, mm_spans
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.v1 import common_pb2, generation_pb2
 
@@ -181,15 +182,16 @@ class EndpointPicker:
         session = headers.get(SESSION_HEADER) or req.session_id
         kind = req.WhichOneof("prompt")
         ids: list[int] = []
+        images: tuple[ImageRef, ...] = ()
         if kind is not None:
             try:
-                ids = await prompt_token_ids(router.tokenizer, req, kind, model)
+                ids, images = await prompt_token_ids(router.tokenizer, req, kind, model)
             except ValidationError as exc:  # named as the Generate field: name the body's
                 raise ValidationError(openai_param(exc.field), exc.message) from None
         hashes: list[bytes] = []
         if router.policy.needs_prefix:
             ctx = HashContext(model.model_id, self._salt(headers))
-            hashes = hash_block_chain(ids, model.block_size, ctx)
+            hashes = hash_block_chain(ids, model.block_size, ctx, mm_spans(images))
         placement = router.placement
         decision, _ = placement.pick(
             placement.serving_role, hashes, len(ids), model.block_size, session_id=session

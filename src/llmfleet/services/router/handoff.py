@@ -43,7 +43,7 @@ from llmfleet.services.router.request import Lease, Leg, RequestRun
 from llmfleet.services.router.routing import DecodeHeadroom, LeastLoad, Policy, PredictedTTFT
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
-from llmfleet.shared.wire.convert import sampling_to_pb
+from llmfleet.shared.wire.convert import images_to_pb, sampling_to_pb
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tracing import Metadata, metadata
 from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2, worker_pb2_grpc
@@ -257,6 +257,7 @@ class LeaseHandoff:
                     sampling=sampling_to_pb(run.params),
                     cache_salt=run.cache_salt,
                     lease=pb_lease,
+                    images=images_to_pb(run.images),
                 ),
                 timeout=self.config.lease_ttl_ms / 1000.0 + CONTROL_TIMEOUT_S,
                 metadata=md,
@@ -288,6 +289,7 @@ class LeaseHandoff:
                     sampling=sampling_to_pb(run.params),
                     cache_salt=run.cache_salt,
                     reply_endpoint=self._reply_endpoint,
+                    images=images_to_pb(run.images),
                 ),
                 timeout=CONTROL_TIMEOUT_S,
                 metadata=metadata(run.trace),

@@ -55,6 +55,7 @@ from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, LLMFleetError, ValidationError
 from llmfleet.shared.core.kv_index import KVSnapshot
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.multimodal import mm_spans
 from llmfleet.shared.wire.convert import FINISH_FROM_PB
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
@@ -209,12 +210,13 @@ class Router:
             NUM_REQUESTS_WAITING.labels(label).inc()
             self._pending[request_id] = False
             try:
-                prompt_ids = await prompt_token_ids(self.tokenizer, req, kind, model, trace_ctx)
+                prompt = await prompt_token_ids(self.tokenizer, req, kind, model, trace_ctx)
+                prompt_ids, images = prompt
                 check_sampling(params, model, len(prompt_ids))
                 hashes: list[bytes] = []
                 if self.policy.needs_prefix:
                     ctx = HashContext(model.model_id, req.cache_salt)
-                    hashes = hash_block_chain(prompt_ids, model.block_size, ctx)
+                    hashes = hash_block_chain(prompt_ids, model.block_size, ctx, mm_spans(images))
                 completions = [
                     CompletionState(i, DetokSequence(self.detokenizer, trace_ctx, i))
                     for i in range(params.n)
@@ -222,7 +224,7 @@ class Router:
                 run = RequestRun(
                     request_id, prompt_ids, params, req.cache_salt, model, hashes, completions
                 )
-                run.trace, run.session_id = trace_ctx, req.session_id
+                run.trace, run.session_id, run.images = trace_ctx, req.session_id, images
                 run.aborted = self._pending.pop(request_id)
                 self.runs[request_id] = run
                 for c in completions:

@@ -42,8 +42,9 @@ from llmfleet.services.router.workers import WorkerPool
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
 from llmfleet.shared.core.config import RouterConfig
 from llmfleet.shared.core.errors import CapacityError, ValidationError
+from llmfleet.shared.core.multimodal import mm_spans
 from llmfleet.shared.core.sampling_params import SamplingParams
-from llmfleet.shared.wire.convert import sampling_to_pb
+from llmfleet.shared.wire.convert import images_to_pb, sampling_to_pb
 from llmfleet.shared.wire.kv_subscriber import KVSubscriber
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 from llmfleet.shared.wire.service import Unavailable
@@ -182,7 +183,8 @@ class Placement:
             hashes = run.block_hashes
             if len(prompt_ids) != len(run.prompt_ids):  # a continuation: its own chain
                 ctx = HashContext(run.model.model_id, run.cache_salt)
-                hashes = hash_block_chain(prompt_ids, run.model.block_size, ctx)
+                images = mm_spans(run.images)
+                hashes = hash_block_chain(prompt_ids, run.model.block_size, ctx, images)
         with spans.tracer.start_as_current_span(
             "route", run.trace, attributes={"llmfleet.routing.role": role}
         ) as span:
@@ -333,6 +335,7 @@ class Placement:
                         cache_salt=run.cache_salt,
                         reply_endpoint=self.replies.endpoint,
                         num_replayed_tokens=replayed,
+                        images=images_to_pb(run.images),
                     ),
                     timeout=_ADD_TIMEOUT_S,
                     metadata=metadata(run.trace),

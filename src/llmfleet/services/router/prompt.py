@@ -1,7 +1,7 @@
 """A Generate request's prompt and sampling, validated: first its shape, then against the model.
 
     kind, params = check_shape(req)                          # before admission
-    ids = await prompt_token_ids(tokenizer, req, kind, model) # tokenizer for text and chat
+    ids, images = await prompt_token_ids(tokenizer, req, kind, model)  # tokenizer: text, chat
     check_sampling(params, model, len(ids))
 
 Errors are `ValidationError`s naming the request field (`text`, `tokens.token_ids`,
@@ -9,6 +9,8 @@ Errors are `ValidationError`s naming the request field (`text`, `tokens.token_id
 `Unavailable`. A prompt longer than the context is an error of the prompt's field naming its
 length and the limit (found by the tokenizer, before tokenizing all of a text too long by a
 cheap bound); `sampling.max_tokens` is blamed only when the prompt fits but leaves no room.
+A chat's images come back from the tokenizer as `ImageRef`s (placeholder runs in the ids, each
+naming the media store that holds its pixels).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from opentelemetry.context import Context
 from llmfleet.services.router.placement import CONTROL_TIMEOUT_S, field_error
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.multimodal import ImageRef
 from llmfleet.shared.core.sampling_params import SamplingLimits, SamplingParams
 from llmfleet.shared.core.structured_output import parse_grammar
-from llmfleet.shared.wire.convert import sampling_from_pb
+from llmfleet.shared.wire.convert import images_from_pb, sampling_from_pb
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tracing import metadata
 from llmfleet.v1 import generation_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -53,8 +56,9 @@ async def prompt_token_ids(
     kind: str,
     model: ModelInfo,
     trace: Context | None = None,
-) -> list[int]:
-    """The prompt's token ids (`trace`: the request's context, sent along to the tokenizer)."""
+) -> tuple[list[int], tuple[ImageRef, ...]]:
+    """The prompt's token ids and images (`trace`: the request's context, sent along to the
+    tokenizer)."""
     if kind == "tokens":
         ids = list(req.tokens.token_ids)
         if len(ids) > model.max_model_len:
@@ -70,7 +74,7 @@ async def prompt_token_ids(
                     f"token id {t} at position {i} is outside the vocabulary "
                     f"[0, {model.vocab_size})",
                 )
-        return ids
+        return ids, ()
     # The tokenizer refuses a prompt longer than the context, without tokenizing a text that
     # is too long by its cheap bound.
     limit = model.max_model_len
@@ -95,7 +99,8 @@ async def prompt_token_ids(
             f"the prompt has {len(resp.token_ids)} tokens, more than the context length of "
             f"{limit} tokens",
         )
-    return list(resp.token_ids)
+    ids = list(resp.token_ids)
+    return ids, images_from_pb(resp.images, len(ids), "chat.messages")
 
 
 def check_sampling(params: SamplingParams, model: ModelInfo, num_prompt_tokens: int) -> None:

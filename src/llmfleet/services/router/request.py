@@ -27,6 +27,7 @@ from opentelemetry.context import Context
 from llmfleet.services.router.detok import DetokSequence
 from llmfleet.services.router.replies import merge_outputs
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.multimodal import ImageRef
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.v1 import common_pb2, dataplane_pb2
 
@@ -98,6 +99,8 @@ class RequestRun:
     model: ModelInfo
     block_hashes: list[bytes]
     completions: list[CompletionState]
+    # The prompt's images (placeholder runs in prompt_ids), forwarded to every worker it meets.
+    images: tuple[ImageRef, ...] = ()
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
     legs: dict[str, Leg] = field(default_factory=dict)

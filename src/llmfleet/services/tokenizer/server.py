@@ -10,6 +10,11 @@ their path in the request message here (`text`, `chat.messages[0].role`). A requ
 `max_num_tokens` (the context length) refuses a longer prompt, before tokenizing a text that the
 cheap bound of text/prompt_bound.py already shows too long.
 
+A chat for a vision-language model may carry images (ChatMessage.parts): they are read,
+decoded, preprocessed and hashed on a worker thread (text/multimodal.py), their pixels kept in
+the service's media store (images.py), and the response lists them as ImageRefs. A core error
+about a part (`messages[1].content[0]`) names it in the request (`chat.messages[1].parts[0]`).
+
 Detokenize carries many sequences on one stream (a router keeps one): detokenize.py holds a
 stream's sequences and answers each request that feeds tokens with one response.
 """
@@ -18,23 +23,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import prometheus_client
 from opentelemetry import trace
 
+from llmfleet.models.checkpoint_files import BUNDLED_MODEL_ID
 from llmfleet.services.tokenizer.detokenize import DetokenizeSession
+from llmfleet.services.tokenizer.images import PREPROCESS_SECONDS, MediaHost
 from llmfleet.shared.core.config import TokenizerConfig
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.multimodal import ImageRef
 from llmfleet.shared.wire import tls
 from llmfleet.shared.wire.chat import chat_messages_from_pb, tools_from_pb
+from llmfleet.shared.wire.convert import images_to_pb
 from llmfleet.shared.wire.service import Service, Unavailable, abort_with
 from llmfleet.shared.wire.tracing import child_span
 from llmfleet.text.chat import encode_rendered, render_chat, tokenize_prompt
+from llmfleet.text.image_processing import ImageProcessor, load_image_processor
 from llmfleet.text.loading import load_tokenizer
+from llmfleet.text.media import MediaPolicy
+from llmfleet.text.multimodal import check_no_placeholder_ids, encode_chat_with_images
 from llmfleet.text.prompt_bound import max_bytes_per_token, min_num_tokens
 from llmfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -51,10 +64,20 @@ LATENCY = prometheus_client.Histogram(
 )
 
 T = TypeVar("T")
+Encoded = tuple[list[int], list[ImageRef]]
+_PART = re.compile(r"^messages\[(\d+)\]\.content\[")
 
 
 def _renamed(exc: ValidationError, field: str) -> ValidationError:
     return ValidationError(field, exc.message)
+
+
+def _in_chat(exc: ValidationError) -> ValidationError:
+    """A core error about a chat, named by its path in TokenizeRequest (`chat.` prefixed; a
+    content part `messages[i].content[j]` is `chat.messages[i].parts[j]`)."""
+    if exc.field.startswith("chat."):
+        return exc
+    return _renamed(exc, "chat." + _PART.sub(r"messages[\1].parts[", exc.field))
 
 
 def _check_bound(text: str, per_token: int | None, limit: int, field: str) -> None:
@@ -81,15 +104,25 @@ def _check_len(num_tokens: int, limit: int, field: str) -> None:
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Answers UNAVAILABLE until `set_tokenizer` is called (the service is NOT_SERVING then)."""
 
-    def __init__(self, tokenizer: Any | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None = None,
+        *,
+        media: MediaHost | None = None,
+        model_name: str = BUNDLED_MODEL_ID,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = len(tokenizer) if tokenizer is not None else 0
         self._per_token = max_bytes_per_token(tokenizer) if tokenizer is not None else None
+        self._processor: ImageProcessor | None = None
+        self._media = media
+        self._model_name = model_name
 
-    def set_tokenizer(self, tokenizer: Any) -> None:
+    def set_tokenizer(self, tokenizer: Any, processor: ImageProcessor | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = len(tokenizer)
         self._per_token = max_bytes_per_token(tokenizer)
+        self._processor = processor
 
     def _require_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -103,20 +136,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         try:
             tokenizer = self._require_tokenizer()
             encode = self._encoder(tokenizer, request, self._per_token)
-            # Chat templates (jinja) and long texts take milliseconds: keep the loop (health
-            # checks, detokenize streams) responsive.
-            ids = await asyncio.to_thread(encode)
+            # Chat templates (jinja), long texts and images take milliseconds or more: keep the
+            # loop (health checks, detokenize streams, the media store) responsive.
+            ids, images = await asyncio.to_thread(encode)
         except (ValidationError, Unavailable) as exc:
             await abort_with(context, exc)  # raises grpc's AbortError
             raise
         finally:
             LATENCY.labels("tokenize").observe(time.perf_counter() - start)
-        return tokenizer_pb2.TokenizeResponse(token_ids=ids)
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids, images=images_to_pb(images))
 
-    @staticmethod
     def _encoder(
-        tokenizer: Any, request: tokenizer_pb2.TokenizeRequest, per_token: int | None
-    ) -> Callable[[], list[int]]:
+        self, tokenizer: Any, request: tokenizer_pb2.TokenizeRequest, per_token: int | None
+    ) -> Callable[[], Encoded]:
+        processor = self._processor
         kind = request.WhichOneof("input")
         limit = request.max_num_tokens
         if limit < 0:
@@ -125,20 +158,21 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             text = request.text
             _check_bound(text, per_token, limit, "text")  # before the work
 
-            def encode_text() -> list[int]:
+            def encode_text() -> Encoded:
                 try:
                     with child_span(tracer, "tokenize") as span:
                         ids = tokenize_prompt(tokenizer, text)
                         span.set_attribute("llmfleet.num_tokens", len(ids))
                 except ValidationError as exc:
                     raise _renamed(exc, "text") from None
+                check_no_placeholder_ids(ids, processor, "text")
                 _check_len(len(ids), limit, "text")
-                return ids
+                return ids, []
 
             return encode_text
         if kind == "chat":
-            messages = chat_messages_from_pb(request.chat.messages)
             try:
+                messages = chat_messages_from_pb(request.chat.messages)
                 tools = tools_from_pb(request.chat.tools)
             except ValidationError as exc:
                 raise _renamed(exc, f"chat.{exc.field}") from None
@@ -147,8 +181,33 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 if request.chat.HasField("add_generation_prompt")
                 else True
             )
+            if processor is not None or any(
+                p.WhichOneof("part") == "image" for m in request.chat.messages for p in m.parts
+            ):
 
-            def encode_chat() -> list[int]:
+                def encode_images() -> Encoded:
+                    with child_span(tracer, "preprocess") as span:
+                        start = time.perf_counter()
+                        ids, images = self._encode_images(
+                            tokenizer,
+                            processor,
+                            messages,
+                            add_generation_prompt,
+                            tools,
+                            lambda text: _check_bound(text, per_token, limit, "chat.messages"),
+                        )
+                        seconds = time.perf_counter() - start
+                        span.set_attribute("llmfleet.num_tokens", len(ids))
+                        span.set_attribute("llmfleet.num_images", len(images))
+                        span.set_attribute("llmfleet.preprocess_s", seconds)
+                    if images:
+                        PREPROCESS_SECONDS.observe(seconds)
+                    _check_len(len(ids), limit, "chat.messages")
+                    return ids, images
+
+                return encode_images
+
+            def encode_chat() -> Encoded:
                 try:
                     with child_span(tracer, "render") as span:
                         span.set_attribute("llmfleet.chat.num_messages", len(messages))
@@ -163,14 +222,41 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                         ids = encode_rendered(tokenizer, rendered)
                         span.set_attribute("llmfleet.num_tokens", len(ids))
                 except ValidationError as exc:
-                    if exc.field.startswith("chat."):
-                        raise
-                    raise _renamed(exc, f"chat.{exc.field}") from None
+                    raise _in_chat(exc) from None
                 _check_len(len(ids), limit, "chat.messages")
-                return ids
+                return ids, []
 
             return encode_chat
         raise ValidationError("input", "set exactly one of text or chat")
+
+    def _encode_images(
+        self,
+        tokenizer: Any,
+        processor: ImageProcessor | None,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]],
+        check_rendered: Callable[[str], None],
+    ) -> Encoded:
+        """A chat through the multimodal path; its images kept in the media store."""
+        try:
+            prompt = encode_chat_with_images(
+                tokenizer,
+                processor,
+                messages,
+                policy=self._media.policy if self._media is not None else MediaPolicy(),
+                model=self._model_name,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                check_rendered=check_rendered,
+            )
+            if not prompt.images:
+                return prompt.token_ids, []
+            if self._media is None:
+                raise Unavailable("this tokenizer service has no media store")
+            return prompt.token_ids, self._media.keep(prompt)
+        except ValidationError as exc:
+            raise _in_chat(exc) from None
 
     async def Detokenize(
         self,
@@ -190,22 +276,39 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 yield response
 
 
-def _service(config: TokenizerConfig) -> tuple[Service, TokenizerServicer]:
+class TokenizerService(Service):
+    """The service shell plus the media store (`media.endpoint`), closed after the drain."""
+
+    def __init__(self, config: TokenizerConfig) -> None:
+        super().__init__(
+            "tokenizer",
+            config.host,
+            config.port,
+            metrics_port=config.metrics_port,
+            tls=tls.load(config.tls_dir),
+        )
+        self.media = MediaHost(config, self.tls)
+
+    async def start(self, service_names: Sequence[str]) -> None:
+        await super().start(service_names)
+        await self.media.start()
+
+    async def wait_for_termination(self) -> None:
+        await super().wait_for_termination()
+        await self.media.close()
+
+
+def _service(config: TokenizerConfig) -> tuple[TokenizerService, TokenizerServicer]:
     """The service shell with the tokenizer servicer added (no tokenizer yet)."""
-    svc = Service(
-        "tokenizer",
-        config.host,
-        config.port,
-        metrics_port=config.metrics_port,
-        tls=tls.load(config.tls_dir),
-    )
-    servicer = TokenizerServicer()
+    svc = TokenizerService(config)
+    servicer = TokenizerServicer(media=svc.media, model_name=config.model or BUNDLED_MODEL_ID)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, svc.server)
     return svc, servicer
 
 
-async def start(config: TokenizerConfig, *, tokenizer: Any | None = None) -> Service:
-    """Start the service and load the tokenizer (or use `tokenizer`); returns it SERVING.
+async def start(config: TokenizerConfig, *, tokenizer: Any | None = None) -> TokenizerService:
+    """Start the service and load the tokenizer (or use `tokenizer`) and the model's image
+    processor (a vision-language `config.model`); returns it SERVING.
 
     The port is bound and health answers NOT_SERVING while the tokenizer loads. On a load
     failure the server is stopped and ModelLoadError propagates.
@@ -217,17 +320,27 @@ async def start(config: TokenizerConfig, *, tokenizer: Any | None = None) -> Ser
 
 
 async def _load_into(
-    svc: Service, servicer: TokenizerServicer, config: TokenizerConfig, tokenizer: Any | None
+    svc: TokenizerService,
+    servicer: TokenizerServicer,
+    config: TokenizerConfig,
+    tokenizer: Any | None,
 ) -> None:
     try:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+        processor = await asyncio.to_thread(load_image_processor, config.model, tokenizer)
     except Exception:
         await svc.server.stop(0)
+        await svc.media.close()
         raise
-    servicer.set_tokenizer(tokenizer)
+    servicer.set_tokenizer(tokenizer, processor)
     await svc.set_serving()
-    logger.info("tokenizer serving on %s (vocabulary %d)", svc.address, len(tokenizer))
+    logger.info(
+        "tokenizer serving on %s (vocabulary %d%s)",
+        svc.address,
+        len(tokenizer),
+        f"; images, media store {svc.media.endpoint}" if processor is not None else "",
+    )
 
 
 async def serve(config: TokenizerConfig, *, tokenizer: Any | None = None) -> None:

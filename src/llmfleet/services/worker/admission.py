@@ -13,7 +13,10 @@ kvstore's view holds none of the prompt's chain, that op is the whole admission 
 TTFT path). Otherwise the request is validated (an engine op) while the kvstore fetch runs,
 both being on the TTFT path, and an invalid request cancels the fetch. A structured-output
 constraint is compiled first, on a pool thread (milliseconds to seconds: never on the engine
-thread), so `add_request` finds it in the engine's grammar cache.
+thread), so `add_request` finds it in the engine's grammar cache. A prompt's images that the
+engine's encoder cache lacks have their pixels fetched first, from each image's media store
+(`MediaClient`, ZMQ); when the cache dropped one meanwhile (`MissingPixels`), it is fetched and
+the admission tried once more.
 
 Owned by the worker's event loop; `routes` is the worker's request id -> reply endpoint table,
 which this adds to and never removes from.
@@ -27,12 +30,17 @@ import functools
 from opentelemetry import trace
 
 from llmfleet.engine.engine import LLMEngine
+from llmfleet.engine.mm_inputs import MissingPixels
 from llmfleet.services.worker.decode_side import EngineAccess
 from llmfleet.services.worker.kvstore_sync import KVStoreSync
 from llmfleet.services.worker.outputs import PROMPT_TOKENS
 from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.core.block_hash import HashContext, hash_block_chain
+from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.multimodal import ImageRef, PixelInput, mm_spans
 from llmfleet.shared.core.sampling_params import SamplingParams
+from llmfleet.shared.wire.media import MediaClient, MediaStoreError
+from llmfleet.shared.wire.service import FailedPrecondition
 
 
 class Admission:
@@ -43,12 +51,17 @@ class Admission:
         request_spans: RequestSpans,
         *,
         block_size: int,
+        media: MediaClient | None = None,
     ) -> None:
         self._engine_loop = engine_loop
         self._routes = routes
         self._request_spans = request_spans
         self._block_size = block_size
         self.kvstore: KVStoreSync | None = None
+        self.media = media or MediaClient()  # pixels of images from the tokenizers' stores
+
+    async def close(self) -> None:
+        await self.media.close()
 
     async def admit(
         self,
@@ -60,14 +73,22 @@ class Admission:
         reply_endpoint: str | None,
         prefill_only: bool,
         replayed: int = 0,
+        images: tuple[ImageRef, ...] = (),
     ) -> int:
         """Validate, fetch a kvstore prefix, admit; returns the prompt tokens found cached
         (whole blocks, one block fewer when they cover the whole prompt). `replayed`: the
-        prompt's last tokens are output generated elsewhere (AddRequest.num_replayed_tokens)."""
+        prompt's last tokens are output generated elsewhere (AddRequest.num_replayed_tokens);
+        `images`: the prompt's (pixels fetched for those the encoder cache lacks)."""
         engine, loop = self._engine_loop()
         await precompile(engine, params)
         model_id = engine.spec.model_id
-        hashes = hash_block_chain(prompt, self._block_size, HashContext(model_id, cache_salt))
+        ctx = HashContext(model_id, cache_salt)
+        hashes = hash_block_chain(prompt, self._block_size, ctx, mm_spans(images))
+        engine.intake.check_images(prompt, images, None)  # the model takes them, runs fit
+        cache = engine.mm.cache
+        pixels = await self._fetch(
+            images, [im.content_hash for im in images if im.content_hash not in cache]
+        )
         kvstore = self.kvstore
         rpc_span = trace.get_current_span()  # the admitting RPC's (spans outlive the call)
 
@@ -80,6 +101,8 @@ class Admission:
                 cache_salt=cache_salt,
                 prefill_only=prefill_only,
                 num_replayed_tokens=replayed,
+                images=images,
+                pixels=pixels,
             )
             if reply_endpoint:
                 self._routes[request_id] = reply_endpoint
@@ -98,8 +121,15 @@ class Admission:
             )
             return num_cached
 
+        async def admit_fetching(num_remote: int | None) -> int:
+            try:
+                return await loop.call(admit, num_remote)
+            except MissingPixels as e:  # the encoder cache dropped them since the check
+                pixels.update(await self._fetch(images, e.hashes))
+                return await loop.call(admit, num_remote)
+
         if kvstore is None or kvstore.view_holds_none(hashes):
-            num_cached_blocks = await loop.call(admit, None if kvstore is None else 0)
+            num_cached_blocks = await admit_fetching(None if kvstore is None else 0)
         else:
             valid = loop.submit(engine.validate_request, request_id, prompt, params, replayed)
             fetch = asyncio.create_task(kvstore.fetch_prefix(hashes))
@@ -108,18 +138,53 @@ class Admission:
             except BaseException:
                 fetch.cancel()
                 raise
-            num_cached_blocks = await loop.call(admit, await fetch)
+            num_cached_blocks = await admit_fetching(await fetch)
         PROMPT_TOKENS.labels(model_id).inc(len(prompt))
         tokens = num_cached_blocks * self._block_size
         return max(0, tokens - self._block_size) if tokens >= len(prompt) else tokens
 
     async def admit_prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+        images: tuple[ImageRef, ...] = (),
     ) -> int:
         """A prefill-only request (the prefill side's `Admit`): no reply route."""
         return await self.admit(
-            request_id, prompt, params, cache_salt, reply_endpoint=None, prefill_only=True
+            request_id,
+            prompt,
+            params,
+            cache_salt,
+            reply_endpoint=None,
+            prefill_only=True,
+            images=images,
         )
+
+    async def _fetch(
+        self, images: tuple[ImageRef, ...], hashes: list[str]
+    ) -> dict[str, PixelInput]:
+        """The pixels of `hashes` (some of `images`), from each image's media store.
+        FailedPrecondition when a store no longer holds one (the prompt must be sent again);
+        ValidationError when an image names no store."""
+        by_endpoint: dict[str, list[str]] = {}
+        wanted = set(hashes)
+        for i, im in enumerate(images):
+            if im.content_hash in wanted:
+                if not im.media_endpoint:
+                    raise ValidationError(
+                        f"images[{i}].media_endpoint",
+                        "must name the media store of an image this worker does not hold",
+                    )
+                by_endpoint.setdefault(im.media_endpoint, []).append(im.content_hash)
+        pixels: dict[str, PixelInput] = {}
+        try:
+            for endpoint, part in by_endpoint.items():
+                pixels.update(await self.media.fetch(endpoint, part))
+        except MediaStoreError as e:
+            raise FailedPrecondition(str(e)) from e
+        return pixels
 
 
 async def precompile(engine: LLMEngine, params: SamplingParams) -> None:

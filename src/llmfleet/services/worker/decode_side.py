@@ -31,7 +31,7 @@ from llmfleet.services.worker.lease import LeaseError, LeaseTable
 from llmfleet.services.worker.loop import EngineLoop
 from llmfleet.services.worker.request_spans import RequestSpans
 from llmfleet.shared.core.errors import ValidationError
-from llmfleet.shared.wire.convert import sampling_from_pb
+from llmfleet.shared.wire.convert import images_from_pb, sampling_from_pb
 from llmfleet.shared.wire.cuda_ipc import IpcUnavailable, open_buffer
 from llmfleet.shared.wire.service import FailedPrecondition, cancel_and_wait
 from llmfleet.shared.wire.tracing import context_from_traceparent
@@ -190,6 +190,7 @@ class DecodeSide:
             raise ValidationError("reply_endpoint", "must be set")
         params = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
+        images = images_from_pb(request.images, len(prompt), "images")
         grammars = engine.intake.grammars
         if params.structured_output is not None and grammars is not None:
             # Off the engine thread (see admission.py); start_decode then finds it cached.
@@ -222,6 +223,7 @@ class DecodeSide:
                     request.first_token_id,
                     params,
                     cache_salt=request.cache_salt,
+                    images=images,
                 )
             except BaseException:
                 routes.pop(rid, None)

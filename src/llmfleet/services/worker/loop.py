@@ -112,7 +112,8 @@ class EngineLoop:
         then) is passed to `on_iteration(step, outputs, collected)` on the event loop.
         `first_token_yield_s`: after a step that gave a request its first token, start the next
         step this much later, unless requests wait (see WorkerConfig.first_token_yield_ms).
-        `on_failure(error)`: called on the event loop, once, when a step raised (see above).
+        `on_failure(error)`: called on the event loop, once, when a step raised (see above) or
+        the engine thread's loop itself failed.
         `fault_inject_step`: tests only; every step from this one on raises (0: off)."""
         self.engine = engine
         self.first_token_yield_s = first_token_yield_s
@@ -123,6 +124,7 @@ class EngineLoop:
         self._on_failure = on_failure
         self.fault_inject_step = fault_inject_step
         self.failure: BaseException | None = None  # the step error that stopped the loop
+        self._thread_error: BaseException | None = None  # the engine thread's loop died of it
         self._ops: deque[Op] = deque()  # appended on the event loop, taken on the engine thread
         self._applying = False  # the engine thread took ops it has not applied yet
         self._wake = threading.Event()
@@ -186,6 +188,10 @@ class EngineLoop:
     def _enqueue(
         self, fut: asyncio.Future[Any] | None, fn: Callable[..., Any], args: Any, kwargs: Any
     ) -> None:
+        if self._thread_error is not None:  # no thread is left to apply it
+            if fut is not None:
+                fut.set_exception(RuntimeError(f"the engine thread failed: {self._thread_error}"))
+            return
         ctx = contextvars.copy_context()  # the caller's (its span), not the loop task's
         self._ops.append((functools.partial(ctx.run, fn, *args, **kwargs), fut))
         self._idle.clear()
@@ -295,13 +301,19 @@ class EngineLoop:
 
     def _thread_ended(self, done: asyncio.Future[None]) -> None:
         """The engine thread's loop ended: by `stop`, or failing (not an op, not a step):
-        then fail every op still queued."""
+        then fail every op still queued, and the worker as a failed step would."""
         if done.cancelled() or done.exception() is None:
             return
-        logger.error("the engine loop failed", exc_info=done.exception())
+        exc = done.exception()
+        self._thread_error = exc
+        logger.error("the engine loop failed", exc_info=exc)
         ops = list(self._ops)
         self._ops.clear()
-        _settle(ops, [(False, done.exception())] * len(ops))
+        _settle(ops, [(False, exc)] * len(ops))
+        if self.failure is None:  # a worker whose engine steps no more is a failed worker
+            self.failure = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
 
 
 class InjectedFault(RuntimeError):

@@ -66,6 +66,20 @@ CHAINED_STEPS = prometheus_client.Counter(
     "Decode steps launched before the previous step's tokens were read back (async scheduling)",
     ["model_name"],
 )
+ENCODER_CACHE_HITS = prometheus_client.Counter(
+    "llmfleet:encoder_cache_hits",
+    "Images whose vision-encoder output was cached when a request first needed it",
+    ["model_name"],
+)
+ENCODER_CACHE_MISSES = prometheus_client.Counter(
+    "llmfleet:encoder_cache_misses", "Images the vision encoder ran on", ["model_name"]
+)
+REQUEST_ENCODER_SECONDS = prometheus_client.Histogram(
+    "llmfleet:request_encoder_seconds",
+    "Vision-encoder time spent on one request's images (requests with images, at their end)",
+    ["model_name"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 CACHE_CONFIG_INFO = prometheus_client.Gauge(
     "vllm:cache_config_info",
     "KV cache configuration, in the labels (the value is always 1)",
@@ -121,6 +135,11 @@ class StepMetrics:
         self._chained = CHAINED_STEPS.labels(name)
         self._chain = engine.chain
         self._chained_seen = engine.chain.num_chained_steps
+        self._mm = engine.mm
+        self._mm_seen = (engine.mm.num_hits, engine.mm.num_misses)
+        self._encoder_hits = ENCODER_CACHE_HITS.labels(name)
+        self._encoder_misses = ENCODER_CACHE_MISSES.labels(name)
+        self._encoder_seconds = REQUEST_ENCODER_SECONDS.labels(name)
         self.step_model = StepTimeModel()  # what the router's scorer predicts with
 
     def on_step(self, seconds: float, cost: StepCost, work: tuple[int, int] = (0, 0)) -> None:
@@ -135,6 +154,15 @@ class StepMetrics:
         if chained:
             self._chained.inc(chained)
             self._chained_seen += chained
+        mm = self._mm
+        if (mm.num_hits, mm.num_misses) != self._mm_seen:
+            self._encoder_hits.inc(mm.num_hits - self._mm_seen[0])
+            self._encoder_misses.inc(mm.num_misses - self._mm_seen[1])
+            self._mm_seen = (mm.num_hits, mm.num_misses)
+        if mm.finished_encodes:
+            for _, seconds in mm.finished_encodes:
+                self._encoder_seconds.observe(seconds)
+            mm.finished_encodes.clear()
         self._flops.inc(cost.flops)
         self._read.inc(cost.read_bytes)
         self._write.inc(cost.write_bytes)

@@ -33,8 +33,9 @@ from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.decode_side import EngineAccess
 from llmfleet.services.worker.kv_transfer import KVPusher
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.shared.core.multimodal import ImageRef
 from llmfleet.shared.core.sampling_params import SamplingParams
-from llmfleet.shared.wire.convert import logprobs_to_pb, sampling_from_pb
+from llmfleet.shared.wire.convert import images_from_pb, logprobs_to_pb, sampling_from_pb
 from llmfleet.shared.wire.cuda_ipc import IpcUnavailable
 from llmfleet.shared.wire.service import FailedPrecondition
 from llmfleet.shared.wire.tracing import child_span, traceparent
@@ -43,8 +44,9 @@ from llmfleet.v1 import dataplane_pb2, worker_pb2
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-# admit(request_id, prompt, params, cache_salt) -> prompt tokens found cached (prefill_only).
-Admit = Callable[[str, list[int], SamplingParams, str], Awaitable[int]]
+# admit(request_id, prompt, params, cache_salt, images) -> prompt tokens found cached
+# (prefill_only).
+Admit = Callable[[str, list[int], SamplingParams, str, tuple[ImageRef, ...]], Awaitable[int]]
 
 
 class Cancelled(LLMFleetError):
@@ -105,11 +107,12 @@ class PrefillSide:
             raise ValidationError("request_id", f"{rid!r} is already in use")
         params = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
+        images = images_from_pb(request.images, len(prompt), "images")
         fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         admitted = False
         try:
-            await self._admit(rid, prompt, params, request.cache_salt)
+            await self._admit(rid, prompt, params, request.cache_salt, images)
             admitted = True
             out = await fut
             if out.finish_reason == "abort" or not out.new_token_ids:

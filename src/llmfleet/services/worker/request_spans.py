@@ -8,7 +8,8 @@
 
     queue    admitted .. first scheduled (the engine step that starts computing its prompt)
     prefill  first scheduled .. first token; one `prefill_chunk` event per step that computed
-             part of the prompt (tokens, total computed); cached tokens as an attribute
+             part of the prompt (tokens, total computed); cached tokens as an attribute, and
+             the vision encoder's seconds for its images (`llmfleet.encoder_seconds`)
     decode   first token (or StartDecode) .. the last completion finished; output tokens,
              finish reasons. One span per request, never one per token.
 
@@ -44,12 +45,17 @@ class RunningView(NamedTuple):
     index: int
     num_cached_tokens: int
     num_computed_tokens: int
+    encoder_seconds: float = 0.0  # vision encoder time spent on its images so far
 
 
 def running_views(running: Iterable[Request]) -> list[RunningView]:
     return [
         RunningView(
-            r.parent_id or r.request_id, r.index, r.num_cached_tokens or 0, r.num_computed_tokens
+            r.parent_id or r.request_id,
+            r.index,
+            r.num_cached_tokens or 0,
+            r.num_computed_tokens,
+            r.encoder_seconds,
         )
         for r in running
     ]
@@ -134,6 +140,8 @@ class RequestSpans:
             if life.phase == "queue":
                 self._start_prefill(life, req.num_cached_tokens, step_started_ns)
             self._chunk(life, req.num_computed_tokens, now)
+            if req.encoder_seconds:
+                life.span.set_attribute("llmfleet.encoder_seconds", req.encoder_seconds)
 
     def on_output(self, out: RequestOutput, step_started_ns: int) -> None:
         life = self._lives.get(out.request_id)

@@ -1,12 +1,11 @@
 """A worker's runtime: its engine core and everything around it, from start to drain.
 
-    runtime.start()      # load the model, start the engine loop and sockets, register
-    runtime.stop()       # NOT_SERVING, queued requests move, running ones finish; close
+    runtime.start() / runtime.stop()   # load, serve, register / drain (queue moves), close
 
 Threads of control (all on one asyncio loop, except the torch work: every engine op and step
 runs on the one `EngineThread`, see loop.py):
   - RPC handlers (server.py) convert protobuf at the boundary and queue engine work on the
-    `EngineLoop`; requests enter the engine through `Admission` (admission.py);
+    `EngineLoop`; requests enter the engine through `Admission` (admission.py: images' pixels);
   - the engine loop steps; right after each step the engine thread itself pushes the new tokens
     (`TokenBatch`es); after each iteration the event loop publishes KV events, completes
     prefill waiters and starts kvstore puts;
@@ -14,9 +13,8 @@ runs on the one `EngineThread`, see loop.py):
     reservations (via the loop), a sweeper expires leases and frees their blocks;
   - prefill side (prefill_side.py): a prefill waits for its first output, then pushes its KV;
   - the `Registrar` registers and heartbeats with the router;
-  - kvstore (kvstore_sync.py): before admission a longer prefix held by the kvstore is fetched
-    and imported into the prefix cache; once a prompt is computed its full blocks the kvstore
-    lacked are put.
+  - kvstore (kvstore_sync.py): before admission a longer prefix the kvstore holds is fetched
+    into the prefix cache; once a prompt is computed its blocks the kvstore lacked are put.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.wire import tls
 from llmfleet.shared.wire.convert import ROLE_TO_PB, model_info_to_pb
 from llmfleet.shared.wire.kv_events import KVEventPublisher
+from llmfleet.shared.wire.media import MediaClient
 from llmfleet.shared.wire.service import FailedPrecondition, Service, Unavailable
 from llmfleet.shared.wire.transport import bind, dtype_name, kv_layout_key, reachable_host
 from llmfleet.v1 import common_pb2, dataplane_pb2, registry_pb2
@@ -87,8 +86,7 @@ class WorkerRuntime:
         self.engine_thread = EngineThread()
         self.counters = WorkerCounters()
         self._facts: IterationFacts | None = None
-        self.kv_endpoint = ""
-        self.kv_events_endpoint = ""
+        self.kv_endpoint = self.kv_events_endpoint = ""
         self._ctx = tls.zmq_context(self.tls)  # with tls: every socket speaks CURVE
         self._routes: dict[str, str] = {}  # request id -> reply endpoint
         self._bg: list[asyncio.Task[None]] = []
@@ -103,9 +101,10 @@ class WorkerRuntime:
         self.kvstore: KVStoreSync | None = None  # with a kvstore configured
         self.registrar: Registrar | None = None
         self.request_spans = RequestSpans(self.worker_id)
-        self.admission = Admission(
+        self.admission = Admission(  # (its media client: pixels of images, CURVE with tls)
             self._engine_loop, self._routes, self.request_spans, block_size=engine_config.block_size
         )
+        self.admission.media = MediaClient(ctx=self._ctx)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
@@ -299,6 +298,7 @@ class WorkerRuntime:
         self.request_spans.close()
         if self.kvstore is not None:
             await self.kvstore.close()
+        await self.admission.close()
         if self.decode is not None:
             await self.decode.close()
         if self.prefill is not None:

@@ -23,7 +23,7 @@ from llmfleet.services.worker.prefill_side import Cancelled
 from llmfleet.services.worker.runtime import SERVICE_NAME, WorkerRuntime
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
-from llmfleet.shared.wire.convert import ROLE_TO_PB, sampling_from_pb
+from llmfleet.shared.wire.convert import ROLE_TO_PB, images_from_pb, sampling_from_pb
 from llmfleet.shared.wire.service import FailedPrecondition, abort_with
 from llmfleet.v1 import common_pb2, embedding_pb2, worker_pb2, worker_pb2_grpc
 
@@ -52,14 +52,16 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             if not request.reply_endpoint:
                 raise ValidationError("reply_endpoint", "must be set")
             params = sampling_from_pb(request.sampling)
+            prompt = list(request.prompt_token_ids)
             num_cached = await self.admission.admit(
                 request.request_id,
-                list(request.prompt_token_ids),
+                prompt,
                 params,
                 request.cache_salt,
                 reply_endpoint=request.reply_endpoint,
                 prefill_only=False,
                 replayed=request.num_replayed_tokens,
+                images=images_from_pb(request.images, len(prompt), "images"),
             )
         except LLMFleetError as e:
             await abort_with(context, e)

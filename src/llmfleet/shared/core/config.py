@@ -46,6 +46,26 @@ class TokenizerConfig:
     # Mutual TLS on internal gRPC, CURVE on ZMQ, with the credentials in this directory
     # (shared/wire/tls.py; `llmfleet tls init DIR`); None: plaintext.
     tls_dir: str | None = None
+    # Images of a vision-language model (text/media.py): `data:` URIs and inline bytes always;
+    # local files only under this directory (None: none); http(s) URLs only when allowed.
+    allowed_media_dir: str | None = None
+    allow_remote_media: bool = False
+    max_image_bytes: int = 20 * 1024 * 1024  # encoded bytes of one image
+    max_image_pixels: int = 32 * 1024 * 1024  # width x height, checked before decoding
+    limit_images_per_prompt: int = 8
+    # The media store (shared/wire/media.py): preprocessed pixels kept for workers to fetch,
+    # at most this many MiB, LRU; served over ZMQ on `media_port` of `host` (0: a free port).
+    media_store_mb: int = 1024
+    media_port: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_bytes", "max_image_pixels", "media_store_mb"):
+            if getattr(self, name) <= 0:
+                raise ValidationError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.limit_images_per_prompt < 0:
+            raise ValidationError("limit_images_per_prompt", "must be >= 0")
+        if not 0 <= self.media_port < 65536:
+            raise ValidationError("media_port", f"must be in [0, 65535], got {self.media_port}")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
+    # Vision-language models: the encoder-output cache's bound in MiB (engine/encoder_cache.py;
+    # the entries of running requests are kept beyond it).
+    encoder_cache_mb: int = 256
     max_n: int = 16
     max_logprobs: int = 20
     # Intra-op CPU threads; None: torch's default on a CPU device, 1 with a CUDA device.
@@ -104,6 +107,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.encoder_cache_mb < 0:
+            raise ValidationError("encoder_cache_mb", f"must be >= 0, got {self.encoder_cache_mb}")
         if self.max_n < 1 or self.max_logprobs < 0:
             raise ValidationError("max_n", "max_n must be >= 1 and max_logprobs >= 0")
         if self.tensor_parallel_size < 1:

@@ -33,6 +33,8 @@ HELP = {
     "max_num_batched_tokens": "tokens per engine step (default 8192 on CUDA, 2048 elsewhere)",
     "max_model_len": "context length cap (default: the model's)",
     "enable_prefix_caching": "share cached KV blocks between requests with a common prefix",
+    "encoder_cache_mb": "vision-language models: MiB of encoder outputs kept by image content "
+    "hash (default 256; running requests' entries are kept beyond it)",
     "max_n": "completions per request, at most (default 16)",
     "max_logprobs": "top logprobs per position, at most (default 20)",
     "num_threads": "intra-op CPU threads (default: torch's on a CPU device, split among "

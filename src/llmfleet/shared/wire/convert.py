@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.model_info import ModelInfo
+from llmfleet.shared.core.multimodal import ImageRef, check_images
 from llmfleet.shared.core.outputs import TokenLogprobs
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.core.structured_output import StructuredOutput
@@ -162,3 +163,41 @@ def token_ids_from_pb(ids: Sequence[int], vocab_size: int, field: str) -> list[i
                 field, f"token id {t} at position {i} is outside the vocabulary [0, {vocab_size})"
             )
     return out
+
+
+def images_to_pb(images: Sequence[ImageRef]) -> list[common_pb2.ImageRef]:
+    return [
+        common_pb2.ImageRef(
+            content_hash=im.content_hash,
+            offset=im.offset,
+            length=im.length,
+            grid=list(im.grid),
+            media_endpoint=im.media_endpoint,
+        )
+        for im in images
+    ]
+
+
+def images_from_pb(
+    pbs: Sequence[common_pb2.ImageRef], num_prompt_tokens: int, field: str
+) -> tuple[ImageRef, ...]:
+    """The images of a prompt of `num_prompt_tokens` tokens; ValidationError naming `field`
+    when a placeholder run is empty, leaves the prompt or overlaps another."""
+    try:
+        images = tuple(
+            ImageRef(
+                content_hash=pb.content_hash,
+                offset=pb.offset,
+                length=pb.length,
+                grid=tuple(pb.grid),
+                media_endpoint=pb.media_endpoint,
+            )
+            for pb in pbs
+        )
+        check_images(images, num_prompt_tokens)
+    except ValueError as e:
+        raise ValidationError(field, str(e)) from None
+    for i, im in enumerate(images):
+        if len(im.content_hash) != 64:
+            raise ValidationError(f"{field}[{i}].content_hash", "must be 64 hex digits")
+    return images

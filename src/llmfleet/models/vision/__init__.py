@@ -1,0 +1,2 @@
+"""Vision encoders of vision-language models (plain PyTorch; replicated under tensor
+parallelism)."""
