@@ -256,5 +256,8 @@ def test_cuda_triton_backend_matches_the_cpu_reference(ckpt, ours) -> None:
     cpu_logits, cpu_tokens = _run_ours(ours, prompts)
     gpu_logits, gpu_tokens = _run_ours(cuda, prompts)
     for ours_cpu, ours_gpu in zip(cpu_logits, gpu_logits, strict=True):
-        torch.testing.assert_close(ours_gpu, ours_cpu, atol=2e-3, rtol=2e-3)
+        # float32 on both, but the Triton kernels' float32 dots run in TF32 on the GPU (about
+        # 1e-3 of the logits' scale here); a wrong M-RoPE table would be off by O(1).
+        scale = ours_cpu.abs().max().item()
+        torch.testing.assert_close(ours_gpu, ours_cpu, atol=3e-3 * max(scale, 1.0), rtol=3e-3)
     assert gpu_tokens == cpu_tokens

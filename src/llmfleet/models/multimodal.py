@@ -84,6 +84,11 @@ class MultimodalCausalLM(CausalLM):
     def layers(self) -> nn.ModuleList:
         return self.language_model.layers
 
+    @property
+    def backend(self) -> Any:
+        """The decoder's attention backend (the model runner asks whether it is graph-safe)."""
+        return self.language_model.backend
+
     @abstractmethod
     def encode_images(self, images: Sequence[PixelInput]) -> list[torch.Tensor]:
         """One (num_placeholder_tokens_i, hidden_size) tensor per image, in order, in the
