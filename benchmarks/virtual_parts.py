@@ -67,6 +67,7 @@ class SimRequest:
     fetched_tokens: int = 0  # and fetched from the kvstore
     decode_worker_id: str = ""  # disaggregated: the decode worker leased for it
     num_prompt_tokens: int = 0
+    num_question_tokens: int = 0  # the prompt's own tail after its tenant's shared prefix
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt)
