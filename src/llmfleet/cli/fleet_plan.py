@@ -29,6 +29,7 @@ from typing import Any
 from llmfleet.shared.core.config import ROUTING_POLICIES, EngineConfig
 from llmfleet.shared.core.engine_flags import engine_argv
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
+from llmfleet.shared.core.speculative_settings import SpeculativeSettings
 
 MODULES = {
     "kvstore": "llmfleet.services.kvstore",
@@ -80,6 +81,8 @@ class FleetSpec:
     # Every other EngineConfig field the workers take, by name, e.g. {"max_num_seqs": 256,
     # "simulate": True}; unset fields take the workers' defaults.
     engine: Mapping[str, Any] = field(default_factory=dict)
+    # Speculative decoding, for the decode and unified workers (prefill workers never draft).
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     routing_policy: str | None = None
     kvstore: bool = True
     gateway: bool = False  # the OpenAI-compatible HTTP gateway (`llmfleet up` starts it)
@@ -113,7 +116,10 @@ class FleetSpec:
                 raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.routing_policy is not None and self.routing_policy not in ROUTING_POLICIES:
             raise ValidationError("routing_policy", f"must be one of {', '.join(ROUTING_POLICIES)}")
-        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(_OWN_FIELDS)
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {
+            *_OWN_FIELDS,
+            "speculative",  # FleetSpec.speculative says it
+        }
         if set(self.engine) - engine_fields:
             unknown = sorted(set(self.engine) - engine_fields)
             raise ValidationError("engine", f"not engine settings here: {unknown}")
@@ -292,6 +298,8 @@ def plan(spec: FleetSpec, log_dir: Path) -> list[list[Child]]:
         else:
             mine = _own_gpus(engine, i)
         args += [*kv_args, *engine_argv(mine)]
+        if role != "prefill":
+            args += spec.speculative.argv()
         workers.append(make(name, "worker", next(ports), args, role, worker=i))
     gateways = []
     if spec.gateway:

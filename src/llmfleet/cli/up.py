@@ -23,12 +23,18 @@ from llmfleet.cli.generate import ENGINE_FLAGS, remote_chat
 from llmfleet.cli.launcher import Fleet, write_line
 from llmfleet.services.tokenizer.flags import media_argv
 from llmfleet.shared.core.config import ENV_PREFIX, AuthConfig, EngineConfig, from_env
+from llmfleet.shared.core.engine_flags import NESTED
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.speculative_settings import SpeculativeSettings
 
-# The engine settings `up` forwards to its workers as they are (ENGINE_FLAGS choose the model).
+# The engine settings `up` forwards to its workers as they are (ENGINE_FLAGS choose the model;
+# the speculative flags go to decode and unified workers only).
 ENGINE_FIELDS = tuple(
-    f.name for f in dataclasses.fields(EngineConfig) if f.name not in ENGINE_FLAGS
+    f.name
+    for f in dataclasses.fields(EngineConfig)
+    if f.name not in ENGINE_FLAGS and f.name not in NESTED
 )
+SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeSettings))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -54,6 +60,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         engine={f: getattr(args, f) for f in ENGINE_FIELDS if getattr(args, f) is not None},
+        speculative=SpeculativeSettings(**{f: getattr(args, f) for f in SPECULATIVE_FIELDS}),
         routing_policy=args.routing_policy,
         kvstore=not args.no_kvstore,
         gateway=not args.no_gateway,

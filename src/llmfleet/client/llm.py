@@ -141,9 +141,16 @@ class LLM:
             return None  # ended by a stop string already
         res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
         detok = detoks[(out.request_id, out.index)]
-        comp.token_ids.extend(out.new_token_ids)
-        comp.logprobs.extend(lp for lp in out.new_logprobs if lp is not None)
-        text = detok.add_tokens(out.new_token_ids) if out.new_token_ids else ""
+        # One token at a time (a speculative step brings several): the completion ends with
+        # the token that completes a stop string, as it would one token per step.
+        text, num_kept = "", 0
+        for token in out.new_token_ids:
+            text += detok.add_tokens([token])
+            num_kept += 1
+            if detok.stop_reason is not None:
+                break
+        comp.token_ids.extend(out.new_token_ids[:num_kept])
+        comp.logprobs.extend(lp for lp in out.new_logprobs[:num_kept] if lp is not None)
         finish_reason = out.finish_reason
         if detok.stop_reason is not None:
             finish_reason, comp.stop_string = "stop", detok.stop_reason
@@ -156,4 +163,5 @@ class LLM:
                 comp.stop_token_id = out.stop_reason
         comp.text += text
         comp.finish_reason = finish_reason
-        return StreamDelta(out.request_id, out.index, text, out.new_token_ids, finish_reason)
+        kept = out.new_token_ids[:num_kept]
+        return StreamDelta(out.request_id, out.index, text, kept, finish_reason)

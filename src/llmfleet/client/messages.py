@@ -24,6 +24,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    num_accepted_tokens: int = 0  # and of those, accepted
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,14 @@ def build_request(
     request_id: str | None = None,
     cache_salt: str = "",
     session_id: str = "",
+    speculative: bool | None = None,
 ) -> generation_pb2.GenerateRequest:
     """The GenerateRequest for these arguments; values are checked by the server.
 
     `messages` are {role, content} with, where set, `tool_calls` [{id, name, arguments}],
     `tool_call_id` and `name`; `tools` ({name, description, parameters}) go with them to the
-    chat template (shared/wire/chat.py); `structured_output` constrains the output."""
+    chat template (shared/wire/chat.py); `structured_output` constrains the output;
+    `speculative` False keeps the worker from drafting tokens for it (None: its default)."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValidationError("prompt", "give exactly one of prompt, messages or token_ids")
     if isinstance(stop, str):
@@ -118,6 +122,7 @@ def build_request(
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
         "seed": seed, "logprobs": logprobs, "skip_special_tokens": skip_special_tokens,
+        "speculative": speculative,
     }  # fmt: skip
     for name, value in optional.items():
         if value is not None:
@@ -194,7 +199,13 @@ def _usage(pb: generation_pb2.GenerateResponse) -> Usage | None:
     if not pb.HasField("usage"):
         return None
     u = pb.usage
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    return Usage(
+        u.prompt_tokens,
+        u.completion_tokens,
+        u.cached_prompt_tokens,
+        u.num_draft_tokens,
+        u.num_accepted_tokens,
+    )
 
 
 class Accumulator:

@@ -14,7 +14,8 @@ before it samples, all while the device runs the forward pass (structured.py).
 Chaining stops (the pending tokens are read first, then an ordinary step is scheduled)
 whenever the next step needs the host to know them: a request waiting to be admitted, a running
 sequence not in the step, a sampling row that is not device-only (penalties, logprobs, an
-active min_tokens), a block short, a batch the graphs do not fit, a prefill-only request. A
+active min_tokens), a block short, a batch the graphs do not fit, a prefill-only request, a
+batch whose next step could carry speculative drafts (spec_decode/speculator.py). A
 sequence that its pending token finishes (a stop token) had one more step launched: the engine
 drops the token that step samples and frees the blocks (the device writes that step's KV into
 them before any later use, in stream order). Kernels, KV handoff calls and aborts between
@@ -26,6 +27,8 @@ Who mutates what: `launch` allocates the pending token's slot and advances
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -88,6 +91,7 @@ class DecodeChain:
         self.max_model_len = max_model_len
         self.masks = masks  # structured output: a chained step's grammar masks
         self.num_chained_steps = 0  # decode steps launched before their inputs were read back
+        self.speculator: Any = None  # spec_decode's Speculator, when the engine speculates
 
     def may_chain(self, reqs: list[Request], *, waiting: bool) -> bool:
         """Whether the step after a decode step of `reqs` can be launched before that step's
@@ -96,7 +100,7 @@ class DecodeChain:
         length, which is conservative for min_tokens: one token may still be pending)."""
         if not self.enabled or self.runner.decode_graphs is None:
             return False
-        if waiting:
+        if waiting or (self.speculator is not None and self.speculator.blocks_chain(reqs)):
             return False
         running = self.scheduler.running
         if len(reqs) != len(running) or set(reqs) != set(running):

@@ -112,7 +112,8 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        # The same tables as block ids, kept beside them (tables only ever grow, or go whole).
+        # The same tables as block ids, kept beside them (a list only grows; `trim` replaces
+        # it with a shorter one).
         self._req_ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # per request: leading blocks in the cache
         self.stats = PrefixCacheStats()
@@ -132,7 +133,8 @@ class BlockManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids: the live list, which grows with the table (read
-        it, do not change it; copy it to keep it). Empty for an owner holding nothing."""
+        it, do not change it; copy it to keep it; `trim` replaces it). Empty for an owner
+        holding nothing."""
         return self._req_ids.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -334,6 +336,19 @@ class BlockManager:
             # else: another block already holds this content; this one stays private.
         self._num_registered[req.request_id] = max(start, end)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release `req`'s tail blocks past those that hold `num_tokens` tokens (slots of
+        rejected draft tokens): never-registered blocks, back to the front of the free queue."""
+        held = self.req_blocks.get(req.request_id)
+        keep = max(self.blocks_needed(num_tokens), self._num_registered.get(req.request_id, 0))
+        if not held or len(held) <= keep:
+            return
+        # A new id list: a reader that caches a table by identity (cuda_graphs.DecodeBuffers,
+        # which takes a list it saw before to have only grown) sees a new table.
+        self._req_ids[req.request_id] = self._req_ids[req.request_id][:keep]
+        while len(held) > keep:
+            self._unref(held.pop())
+
     def free(self, req: Request) -> None:
         """Release every block `req` holds (finish, abort or preemption). Idempotent."""
         self.free_owner(req.request_id)
@@ -347,13 +362,18 @@ class BlockManager:
             return False
         # Tail blocks first: when a prefix is evicted, its deepest blocks should go first.
         for b in reversed(held):
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if b.block_hash is None:
-                    self.free_queue.appendleft(b)
-                else:
-                    self.free_queue.append(b)
+            self._unref(b)
         return True
+
+    def _unref(self, b: KVBlock) -> None:
+        """Drop one reference to `b`; unreferenced, it joins the free queue: at the front when
+        it caches nothing (reused first), at the back when it holds a prefix (evicted last)."""
+        b.ref_cnt -= 1
+        if b.ref_cnt == 0:
+            if b.block_hash is None:
+                self.free_queue.appendleft(b)
+            else:
+                self.free_queue.append(b)
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached content of unreferenced blocks."""

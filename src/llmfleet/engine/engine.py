@@ -21,22 +21,22 @@ a request, pin or reservation returns its blocks.
 With `async_scheduling` a decode step may leave its tokens on the device; `step` returns them
 one call later (`engine.chain`, async_scheduling.py). `last_step_cost` / `last_step_work`:
 the latest step's. Images of a prompt (vision-language models): `engine.mm` (mm_inputs.py).
+Speculative decoding (`config.speculative`): `engine.speculator` drafts before each step and
+verifies after it (spec_decode/speculator.py; a step's diff may then carry several tokens).
 
 Who mutates what: the scheduler moves requests between its queues (admit, preempt, finish);
 the engine advances `num_computed_tokens` by what each step computed (`engine.chain` for the
-steps it launches), and alone appends tokens and ends requests; pins and reservations change
-only through `engine.kv`.
+steps it launches, `engine.speculator` for the drafts a step kept), and alone appends tokens
+and ends requests; pins and reservations change only through `engine.kv`.
 """
 
 from __future__ import annotations
-
-import torch
 
 from llmfleet.engine import flops
 from llmfleet.engine.async_scheduling import DecodeChain, InFlight
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.flops import ModelShape, StepCost
-from llmfleet.engine.forward_pass import forward_pass, load_for, torch_device
+from llmfleet.engine.forward_pass import forward_pass, load_for, prepare_device
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
 from llmfleet.engine.memory import num_kv_blocks
@@ -46,6 +46,8 @@ from llmfleet.engine.pooling import Pooler
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
 from llmfleet.engine.sampler import SamplingRow
 from llmfleet.engine.scheduler import Scheduler
+from llmfleet.engine.spec_decode import make_proposer
+from llmfleet.engine.spec_decode.speculator import SpecStats, Speculator
 from llmfleet.engine.structured import GrammarCache, MaskFiller, grammar_status, start_mask
 from llmfleet.models.loader import LoadedModel
 from llmfleet.models.simulated import SimulatedModel
@@ -64,18 +66,7 @@ class LLMEngine:
         self.model = loaded.model
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
-        self.device = torch_device(config.device)
-        if self.spec.dtype != config.torch_dtype:  # the KV cache is made in the config's dtype
-            raise ValidationError(
-                "dtype",
-                f"the model was loaded in {self.spec.dtype}, the engine is configured for "
-                f"{config.dtype}",
-            )
-        # A GPU engine's host tensor work is small (KV payloads, inputs); torch's default of a
-        # thread per core makes every such op wake a team that then spins, cores at a time.
-        threads = config.num_threads or (1 if self.device.type == "cuda" else None)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        self.device = prepare_device(config, self.spec)
         self.max_model_len = min(
             config.max_model_len or self.spec.max_model_len, self.spec.max_model_len
         )
@@ -83,6 +74,9 @@ class LLMEngine:
         self.model_shape: ModelShape | None = None  # for work estimates; None when simulated
         if not isinstance(self.model, SimulatedModel):
             self.model_shape = flops.model_shape(self.model, config.torch_dtype.itemsize)
+        # The proposer first: a draft model's weights and cache count as held when the
+        # engine's own KV cache is sized from what is left (spec_decode/draft_kv.py).
+        proposer = make_proposer(config.speculative, loaded, config) if config.speculative else None
         block_bytes = kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype)
         num_blocks = num_kv_blocks(config, self.model_shape, self.device, block_bytes)
         self.block_manager = BlockManager(
@@ -122,6 +116,8 @@ class LLMEngine:
             mm=self.mm,
         )
         self.pooler = Pooler.for_engine(self)  # embeddings (pooling.py)
+        self.speculator = Speculator.for_engine(self, proposer)  # None: no speculation
+        self.spec_stats = self.speculator.stats if self.speculator else SpecStats()
         self._requests: dict[str, Request] = {}  # by sequence id
         self._groups: dict[str, list[Request]] = {}  # by client request id
         self._deferred: dict[str, list[Request]] = {}  # leader seq id -> siblings to admit
@@ -296,7 +292,7 @@ class LLMEngine:
                 for req in self._inflight.requests:  # their newest token is known now
                     self.block_manager.cache_full_blocks(req)
                 return outputs
-        sched = self.scheduler.schedule()
+        sched = (self.speculator or self.scheduler).schedule()  # drafts first, if speculating
         for req in self.mm.drop_lacking(sched):  # its images are no longer at hand
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         if not sched:
@@ -315,12 +311,14 @@ class LLMEngine:
         # Bookkeeping that needs no sampled token runs while the device computes.
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             self.block_manager.cache_full_blocks(req)
             if req.index == 0 and req.request_id in self._deferred:
                 if req.num_computed_tokens >= req.num_prompt_tokens:
                     for sib in self._deferred.pop(req.request_id):
                         self.scheduler.add(sib)
+        if self.speculator is not None and self.speculator.handles(sched):  # drafts to verify
+            return outputs + self.speculator.complete(sched, step, mask, self._append_tokens)
         if not step.sampling_rows:
             return outputs
         reqs = [sched.scheduled[j].request for j in step.sampling_rows]
@@ -363,6 +361,8 @@ class LLMEngine:
         pin = req.prefill_only and status is not RequestStatus.FINISHED_ABORTED
         self.scheduler.finish(req, status, free_blocks=not pin)
         self.mm.release(req)
+        if self.speculator is not None:
+            self.speculator.release(req)
         if pin:
             self.kv.pin(req)
         deferred = self._deferred.pop(req.request_id, None)

@@ -124,7 +124,7 @@ class StepBatch:
         return cls(
             tuple(s.num_new_tokens for s in sched.scheduled),
             tuple(s.request.num_computed_tokens for s in sched.scheduled),
-            sum(1 for s in sched.scheduled if s.samples),
+            sum(1 + len(s.spec_token_ids) for s in sched.scheduled if s.samples),
         )
 
 

@@ -16,7 +16,7 @@ from llmfleet.engine.sampler import Sampler
 from llmfleet.engine.simulated import SimulatedRunner, SimulatedSampler
 from llmfleet.engine.tp_ranks import Ranks, TPLoadedModel
 from llmfleet.engine.tp_runner import TPModelRunner
-from llmfleet.models.loader import LoadedModel, load_model, load_simulated
+from llmfleet.models.loader import LoadedModel, ModelSpec, load_model, load_simulated
 from llmfleet.models.parallel import TensorParallel
 from llmfleet.models.simulated import SimulatedModel, StepTime
 from llmfleet.shared.core.config import EngineConfig
@@ -29,6 +29,23 @@ def torch_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def prepare_device(config: EngineConfig, spec: ModelSpec) -> torch.device:
+    """The engine's device, once `spec` (the loaded model's) matches `config`'s dtype and the
+    intra-op thread count is set."""
+    if spec.dtype != config.torch_dtype:  # the KV cache is made in the config's dtype
+        raise ValidationError(
+            "dtype",
+            f"the model was loaded in {spec.dtype}, the engine is configured for {config.dtype}",
+        )
+    device = torch_device(config.device)
+    # A GPU engine's host tensor work is small (KV payloads, inputs); torch's default of a
+    # thread per core makes every such op wake a team that then spins, cores at a time.
+    threads = config.num_threads or (1 if device.type == "cuda" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     return device
 
 

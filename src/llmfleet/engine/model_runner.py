@@ -4,6 +4,16 @@ The batch has no padding: the new tokens of every scheduled request laid end to 
 their positions and slots in the paged cache. Only the rows that reach their request's last
 token go through the LM head.
 
+Speculative decoding: a request with d drafts brings its last known token at position p and
+its drafts at p + 1 .. p + d, and all d + 1 rows go through the LM head. A step of decoding
+sequences (one known token each, drafts or not) stays a pure decode step: row i of a sequence
+decodes position p + i over the sequence's block table with context length p + i + 1 (each
+layer writes every row's KV before attending, so a draft row sees the rows before it), so it
+replays the decode graphs like any decode step, drafts costing no extra graphs. In a step with
+prompt chunks, the varlen attention takes the d + 1 tokens as one multi-token query. With
+`capture_layers` set (an EAGLE proposer's target layers), every step runs eagerly and returns
+the model's captured hidden states of all its input tokens.
+
 On CUDA, after `capture_decode_graphs`, a pure-decode step (one new token per sequence) of at
 most the captured batch size replays a CUDA graph instead (see cuda_graphs.py): padded to a
 captured size, every row through the LM head, the padding rows' logits dropped.
@@ -52,8 +62,12 @@ class StepOutput:
     # (num_sampling_rows, vocab) float32; after a graph replay a view of the graphs' static
     # buffer, valid until the next step
     logits: torch.Tensor
-    sampling_rows: list[int]  # index into scheduled of each logits row
+    sampling_rows: list[int]  # index into scheduled of each logits row (d + 1 with drafts)
     replayed: bool = False  # a decode step through the captured graphs (`decode_graphs`)
+    # With `ModelRunner.capture_layers`: (num_input_tokens, width) captured hidden states of
+    # the eager step's flat batch, and the flat index of each scheduled request's first input.
+    aux_hidden: torch.Tensor | None = None
+    token_starts: list[int] | None = None
 
 
 class BlockRead:
@@ -112,9 +126,18 @@ class ModelRunner:
         # it ran an embedding's tokens (`keep_hidden`), for the engine's pooler; else None.
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # Target layers whose outputs every step captures (models/decoder.py), for an EAGLE
+        # proposer; () captures none. Set with `set_capture_layers`.
+        self.capture_layers: tuple[int, ...] = ()
+        self._last_aux: torch.Tensor | None = None
         # Images (vision-language models: encoder runs, input embeddings, M-RoPE positions);
         # set by forward_pass.py.
         self.mm: MultimodalInputs | None = None
+
+    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        """Capture these target layers' outputs in every (then eager) step."""
+        self.capture_layers = tuple(layers)
+        self.model.capture_layers = self.capture_layers
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode batches of up to `max_batch_size` sequences whose
@@ -221,26 +244,47 @@ class ModelRunner:
         self.keep_hidden = any(s.request.pooling is not None for s in sched.scheduled)
         # Steps with image rows or shifted (M-RoPE) positions run eagerly.
         mm = sched if self.mm is not None and self.mm.involved(sched) else None
-        graphable = not self.keep_hidden and all(s.num_new_tokens == 1 for s in sched.scheduled)
-        graphable = graphable and mm is None
+        graphable = not self.keep_hidden and all(
+            s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled
+        )
+        graphable = graphable and mm is None and not self.capture_layers
         if self.decode_graphs is not None and graphable:
             step = self._replay_decode(sched, self.decode_graphs)
             if step is not None:
                 return step
         batch = StepInputs([], [], [], [], [], [])
         sampling_rows: list[int] = []
+        token_starts: list[int] = []
+        # A step of decoding sequences (one known token each) stays a pure decode step, the
+        # drafts as decode rows (see the module docstring).
+        rows = mm is None and all(
+            s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled
+        )
         for j, s in enumerate(sched.scheduled):
-            req, n = s.request, s.num_new_tokens
+            req, n, drafts = s.request, s.num_new_tokens, s.spec_token_ids
             start = req.num_computed_tokens
-            batch.input_ids.extend(req.all_token_ids[start : start + n])
+            token_starts.append(len(batch.input_ids))
+            batch.input_ids.extend(req.all_token_ids[start : start + n - len(drafts)])
+            batch.input_ids.extend(drafts)
             batch.positions.extend(range(start, start + n))
-            batch.query_lens.append(n)
-            batch.seq_lens.append(start + n)
-            batch.block_tables.append(self.bm.block_ids(req.request_id))
-            if s.samples:
-                batch.sample_tokens.append(len(batch.input_ids) - 1)
-                sampling_rows.append(j)
-        return StepOutput(self.run(batch, mm), sampling_rows)
+            if rows:
+                batch.query_lens.extend([1] * n)
+                batch.seq_lens.extend(range(start + 1, start + n + 1))
+                batch.block_tables.extend([self.bm.block_ids(req.request_id)] * n)
+            else:
+                batch.query_lens.append(n)
+                batch.seq_lens.append(start + n)
+                batch.block_tables.append(self.bm.block_ids(req.request_id))
+            if s.samples:  # the last known token's row, and each draft's
+                end = len(batch.input_ids)
+                batch.sample_tokens.extend(range(end - 1 - len(drafts), end))
+                sampling_rows.extend([j] * (1 + len(drafts)))
+        logits = self.run(batch, mm)
+        if not self.capture_layers:
+            return StepOutput(logits, sampling_rows)
+        return StepOutput(
+            logits, sampling_rows, aux_hidden=self._last_aux, token_starts=token_starts
+        )
 
     @torch.inference_mode()
     def run(self, batch: StepInputs, mm: SchedulerOutput | None = None) -> torch.Tensor:
@@ -257,6 +301,7 @@ class ModelRunner:
         else:
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # (num_tokens, hidden)
         self.last_hidden = hidden if self.keep_hidden else None
+        self._last_aux = getattr(self.model, "aux_hidden", None) if self.capture_layers else None
         sample_tokens = batch.sample_tokens
         if not sample_tokens:
             return hidden.new_empty((0, self.spec.vocab_size))
@@ -265,16 +310,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden)  # (num_sampling_rows, vocab) float32
 
     def _replay_decode(self, sched: SchedulerOutput, graphs: PaddedDecoder) -> StepOutput | None:
-        """A pure-decode step through a captured graph; None when the batch does not fit."""
-        requests = [s.request for s in sched.scheduled]
-        positions = [r.num_computed_tokens for r in requests]
-        token_ids = [r.all_token_ids[p] for r, p in zip(requests, positions, strict=True)]
-        logits = self._replay(graphs, requests, token_ids, positions)  # (n, vocab)
+        """A decode step through a captured graph, a sequence's drafts as rows after its token
+        (see the module docstring); None when the batch does not fit."""
+        requests: list[Request] = []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        kept: list[int] = []  # the logits rows of the sequences that sample
+        rows: list[int] = []  # their index into scheduled
+        for j, s in enumerate(sched.scheduled):
+            req, p = s.request, s.request.num_computed_tokens
+            tokens = [req.all_token_ids[p], *s.spec_token_ids]
+            if s.samples:
+                kept.extend(range(len(token_ids), len(token_ids) + len(tokens)))
+                rows.extend([j] * len(tokens))
+            requests.extend([req] * len(tokens))
+            token_ids.extend(tokens)
+            positions.extend(range(p, p + len(tokens)))
+        logits = self._replay(graphs, requests, token_ids, positions)  # (rows, vocab)
         if logits is None:
             return None
-        rows = [j for j, s in enumerate(sched.scheduled) if s.samples]
-        if len(rows) != len(token_ids):
-            logits = logits[torch.tensor(rows, device=self.device)]
+        if len(kept) != len(token_ids):
+            logits = logits[torch.tensor(kept, device=self.device)]
         return StepOutput(logits, rows, replayed=True)
 
     @torch.inference_mode()

@@ -87,6 +87,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     stop_reason: int | str | None = None  # the token id or stop string that ended it
+    # Speculative decoding: the drafts proposed for the next step (set by the engine before
+    # scheduling; the scheduler may trim them), and the drafts verified and kept so far.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[bytes] = field(init=False)
 
@@ -145,6 +150,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int = 0  # tokens generated so far, these included
+    num_draft_tokens: int = 0  # speculative drafts verified so far (cumulative)
+    num_accepted_tokens: int = 0  # of which kept
 
     @classmethod
     def of(
@@ -165,4 +172,6 @@ class RequestOutput:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             num_output_tokens=req.num_output_tokens,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )

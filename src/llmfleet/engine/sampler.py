@@ -218,6 +218,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], index: l
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Draw one token per row of `(R, V)` processed logits; every row has temperature > 0."""
+    return race(probabilities(logits, rows), [r.generator for r in rows])
+
+
+def probabilities(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Step 5 of the pipeline: `(R, V)` float32 probabilities, unnormalized after the filters
+    (the distribution a row samples from is each row divided by its sum), of `(R, V)` processed
+    logits; every row has temperature > 0."""
     device = logits.device
     vocab_size = logits.shape[1]
     temperature = small_tensor([r.params.temperature for r in rows], device)
@@ -235,17 +242,24 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     elif any(top_k):
         values = probs.topk(max(top_k), dim=-1).values  # (R, max_k), descending
         probs = probs.masked_fill(probs < _kth(values, top_k), 0.0)
+    return probs
 
+
+def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Step 6: `(R,)` int64 draws, row i's token with probability probs[i] / sum(probs[i]);
+    row i's noise comes from generators[i] alone (V draws), or from the global RNG if None."""
+    device = probs.device
+    vocab_size = probs.shape[1]
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws i with probability p_i / sum(p).
     noise = torch.empty_like(probs)  # (R, V)
-    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    seeded = [i for i, g in enumerate(generators) if g is not None]
     if not seeded:
         noise.exponential_()
     else:
         for i in seeded:
-            noise[i].exponential_(generator=rows[i].generator)
-        if len(seeded) < len(rows):
-            unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+            noise[i].exponential_(generator=generators[i])
+        if len(seeded) < len(generators):
+            unseeded = [i for i, g in enumerate(generators) if g is None]
             fresh = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
             noise[small_tensor(unseeded, device)] = fresh
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0 / 0

@@ -3,6 +3,9 @@
 Each step fills a token budget (`max_num_batched_tokens`):
   1. running requests first, in arrival order: each gets what it still needs to compute
      (1 token when decoding, the rest of its prompt chunk otherwise), capped by the budget;
+     a decoding request with drafts (`spec_token_ids`, speculative decoding) also gets a slot
+     and a budget token for each, the drafts trimmed to the budget left and dropped when the
+     KV cache is short of blocks for them (never preempting another request for a draft);
      when the KV cache has no block for one, the most recently admitted running request is
      preempted (its blocks freed; it goes back to the front of the queue and later recomputes);
   2. then waiting requests, FIFO, while the budget, `max_num_seqs` and free blocks allow:
@@ -22,14 +25,19 @@ from llmfleet.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    # Draft tokens computed after the request's known ones (their positions follow its last
+    # token); every one of them, and the last known token, has a logits row.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """This step brings the request to its last token, so its logits are sampled (never
-        an embedding's: its hidden states are pooled instead)."""
+        an embedding's: its hidden states are pooled instead). Read it before the step
+        advances `num_computed_tokens`."""
         req = self.request
-        last = req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        last = req.num_computed_tokens + known == req.num_tokens
         return last and req.pooling is None
 
 
@@ -41,6 +49,10 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(s.spec_token_ids for s in self.scheduled)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -84,7 +96,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = req.num_tokens - req.num_computed_tokens
+            n = min(need, budget)
+            drafts = req.spec_token_ids[: budget - n] if n == need else []
+            if drafts and not self.bm.allocate_slots(
+                req, req.num_computed_tokens + n + len(drafts)
+            ):
+                drafts = []
             while not self.bm.allocate_slots(req, req.num_computed_tokens + n):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -92,8 +110,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+                out.scheduled.append(ScheduledRequest(req, n + len(drafts), drafts))
+                budget -= n + len(drafts)
                 i += 1
         if out.preempted:
             return out  # memory is short: admit nothing new this step
@@ -140,6 +158,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.bm.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -210,8 +210,9 @@ class PendingMask:
 def start_mask(masks: MaskFiller, sched: SchedulerOutput) -> Future[PendingMask] | None:
     """Start filling the bitmask of a scheduled step's constrained rows; None when none of the
     sequences it samples has a matcher. Logits row r is the r-th scheduled sequence that
-    samples (model_runner.py)."""
-    sampling = [s.request for s in sched.scheduled if s.samples]
+    samples without drafts (model_runner.py; sequences with drafts have no matcher, and
+    spec_decode/speculator.py takes the draft-free rows apart)."""
+    sampling = [s.request for s in sched.scheduled if s.samples and not s.spec_token_ids]
     rows = [(r, m) for r, req in enumerate(sampling) if (m := req.matcher) is not None]
     if not rows:
         return None

@@ -117,6 +117,10 @@ class DecoderForCausalLM(CausalLM):
 
     qkv_bias = False
     qk_norm = False
+    # Hidden-state capture for speculative decoding (EAGLE): decoder layers whose output the
+    # next `forward` keeps in `aux_hidden` (negative: from the end; -1: after the last layer,
+    # before the final norm). () keeps nothing.
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -127,6 +131,7 @@ class DecoderForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.tp = tp
+        self.aux_hidden: torch.Tensor | None = None  # what `capture_layers` kept last forward
         self.backend = backend if backend is not None else TorchReferenceBackend()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -183,10 +188,27 @@ class DecoderForCausalLM(CausalLM):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (T, hidden)
         rope = self.rotary_emb.at(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        wanted = self._captured_layers()
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h, residual = layer(h, residual, rope, kv_cache, meta)
+            if i in wanted:  # the residual stream after layer i, (T, hidden)
+                captured[i] = h + residual
+        self.aux_hidden = (
+            torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
+        )  # (T, hidden * len(capture_layers)), in the listed order
         h, _ = self.norm(h, residual)
         return h
+
+    def _captured_layers(self) -> list[int]:
+        """`capture_layers` as layer indices in [0, num_layers), in the listed order."""
+        n = len(self.layers)
+        out = []
+        for i in self.capture_layers:
+            if not -n <= i < n:
+                raise ValueError(f"capture layer {i} is outside the model's {n} layers")
+            out.append(i % n)
+        return out
 
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None

@@ -114,6 +114,7 @@ def _common(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
         "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "speculative": req.speculative,
         "session_id": req.user or "",
     }
 
@@ -247,12 +248,18 @@ def default_max_tokens(num_prompt_tokens: int, max_model_len: int) -> int:
 def usage(u: Usage | None) -> dict[str, Any] | None:
     if u is None:
         return None
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
     }
+    if u.num_draft_tokens:  # speculative decoding ran for it (docs/fleet.md)
+        out["completion_tokens_details"] = {
+            "num_draft_tokens": u.num_draft_tokens,
+            "num_accepted_tokens": u.num_accepted_tokens,
+        }
+    return out
 
 
 def chat_logprobs(lps: Sequence[TokenLogprobs], speller: TokenSpeller) -> dict[str, Any]:

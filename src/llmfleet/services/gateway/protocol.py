@@ -75,6 +75,8 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Speculative decoding for this request: false never drafts; unset: the worker's default.
+    speculative: bool | None = None
     # Output constraints (at most one): OpenAI's and vLLM's (guided.py).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -320,6 +320,7 @@ class Router:
             if out.logprobs:
                 delta.logprobs.extend(out.logprobs)
             c.token_ids.extend(ids)
+            c.count_drafts(out)
             num_tokens += len(ids)
             if out.num_cached_tokens and run.num_retries == 0:
                 run.num_cached_tokens = max(run.num_cached_tokens, out.num_cached_tokens)

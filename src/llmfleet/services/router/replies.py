@@ -81,7 +81,8 @@ def merge_outputs(
     outs: Sequence[dataplane_pb2.SequenceOutput],
 ) -> Sequence[dataplane_pb2.SequenceOutput]:
     """Outputs of several consecutive steps of one request, one per completion index: the
-    token ids and logprobs joined in order, the ending (finish reason, stop token) of the last.
+    token ids and logprobs joined in order, draft counts summed, the ending (finish reason, stop
+    token) of the last.
     Returns `outs` itself when no index repeats."""
     by_index: dict[int, list[dataplane_pb2.SequenceOutput]] = {}
     for out in outs:
@@ -101,5 +102,7 @@ def merge_outputs(
             m.token_ids.extend(part.token_ids)
             m.logprobs.extend(part.logprobs)
         m.num_cached_tokens = max(p.num_cached_tokens for p in parts)
+        m.num_draft_tokens = sum(p.num_draft_tokens for p in parts)
+        m.num_accepted_tokens = sum(p.num_accepted_tokens for p in parts)
         merged.append(m)
     return merged

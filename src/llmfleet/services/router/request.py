@@ -67,6 +67,14 @@ class CompletionState:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""  # "stop" | "length" | "abort" once finished
+    # Speculative decoding: tokens drafted for it and accepted, over every worker it ran on.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def count_drafts(self, out: dataplane_pb2.SequenceOutput) -> None:
+        """Add a worker output's draft counts (each output carries its increase)."""
+        self.num_draft_tokens += out.num_draft_tokens
+        self.num_accepted_tokens += out.num_accepted_tokens
 
 
 @dataclass(slots=True)
@@ -151,6 +159,8 @@ class RequestRun:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=self.num_completion_tokens(),
             cached_prompt_tokens=min(self.num_cached_tokens, len(self.prompt_ids)),
+            num_draft_tokens=sum(c.num_draft_tokens for c in self.completions),
+            num_accepted_tokens=sum(c.num_accepted_tokens for c in self.completions),
         )
 
     def legs_on(self, worker_id: str, wire_ids: set[str]) -> list[str]:

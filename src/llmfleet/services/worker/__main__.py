@@ -14,12 +14,13 @@ import sys
 
 from llmfleet.shared.core.config import WORKER_ROLES, EngineConfig, WorkerConfig
 from llmfleet.shared.core.engine_flags import add_engine_flags
+from llmfleet.shared.core.speculative_settings import SpeculativeSettings
 from llmfleet.shared.wire.service_main import ServiceMain
 from llmfleet.shared.wire.tls import TLS_DIR_HELP
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """WorkerConfig's flags, --grace-s, then EngineConfig's."""
+    """WorkerConfig's flags, --grace-s, then EngineConfig's (SpeculativeSettings' among them)."""
     p.add_argument("--role", choices=WORKER_ROLES, help="default unified")
     p.add_argument("--worker-id", help="unique id (default: derived from address and pid)")
     p.add_argument("--router", dest="router_address", help="Registry HOST:PORT")
@@ -67,11 +68,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_engine_flags(p)
 
 
+def _fold(
+    worker: WorkerConfig, engine: EngineConfig, speculative: SpeculativeSettings
+) -> tuple[WorkerConfig, EngineConfig]:
+    from llmfleet.services.worker.speculation import fold_speculation  # (imports torch)
+
+    return fold_speculation(worker, engine, speculative)
+
+
 SERVICE = ServiceMain(
     package="llmfleet.services.worker",
     description="llmfleet worker: one engine core serving a role (unified, prefill, decode)",
     add_flags=add_flags,
-    configs=(WorkerConfig, EngineConfig),
+    configs=(WorkerConfig, EngineConfig, SpeculativeSettings),
+    fold=_fold,
     serve_flags=("grace_s",),
     returns_server=True,
     usage_on_bad_config=True,

@@ -28,6 +28,7 @@ from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.flops import StepCost
 from llmfleet.engine.request import RequestOutput
 from llmfleet.services.worker.request_spans import RunningView, running_views
+from llmfleet.services.worker.speculation import DraftCounts, SpecMetrics
 from llmfleet.shared.core.step_model import StepTimeModel
 from llmfleet.shared.wire.convert import FINISH_TO_PB, logprobs_to_pb
 from llmfleet.shared.wire.metrics import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
@@ -140,6 +141,7 @@ class StepMetrics:
         self._encoder_hits = ENCODER_CACHE_HITS.labels(name)
         self._encoder_misses = ENCODER_CACHE_MISSES.labels(name)
         self._encoder_seconds = REQUEST_ENCODER_SECONDS.labels(name)
+        self._spec = SpecMetrics(engine)
         self.step_model = StepTimeModel()  # what the router's scorer predicts with
 
     def on_step(self, seconds: float, cost: StepCost, work: tuple[int, int] = (0, 0)) -> None:
@@ -163,18 +165,25 @@ class StepMetrics:
             for _, seconds in mm.finished_encodes:
                 self._encoder_seconds.observe(seconds)
             mm.finished_encodes.clear()
+        if self._spec.enabled:
+            self._spec.on_step()
         self._flops.inc(cost.flops)
         self._read.inc(cost.read_bytes)
         self._write.inc(cost.write_bytes)
 
 
-def sequence_output_to_pb(out: RequestOutput) -> dataplane_pb2.SequenceOutput:
+def sequence_output_to_pb(
+    out: RequestOutput, drafts: tuple[int, int] = (0, 0)
+) -> dataplane_pb2.SequenceOutput:
+    """`drafts`: (drafted, accepted) tokens since the sequence's previous output."""
     pb = dataplane_pb2.SequenceOutput(
         request_id=out.request_id,
         index=out.index,
         token_ids=out.new_token_ids,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        num_draft_tokens=drafts[0],
+        num_accepted_tokens=drafts[1],
     )
     if any(lp is not None for lp in out.new_logprobs):
         pb.logprobs.extend(logprobs_to_pb(lp) for lp in out.new_logprobs if lp is not None)
@@ -193,6 +202,7 @@ class ReplySinks:
         self.ctx = blocking_shadow(ctx)  # blocking sockets, same context and CURVE keys
         self.worker_id = worker_id
         self._socks: dict[str, zmq.Socket] = {}
+        self._drafts = DraftCounts()
 
     def _sock(self, endpoint: str) -> zmq.Socket:
         sock = self._socks.get(endpoint)
@@ -210,7 +220,7 @@ class ReplySinks:
         for out in outputs:
             endpoint = endpoint_of.get(out.request_id)
             if endpoint:
-                by_endpoint[endpoint].append(sequence_output_to_pb(out))
+                by_endpoint[endpoint].append(sequence_output_to_pb(out, self._drafts.delta(out)))
         for endpoint, seq_outputs in by_endpoint.items():
             batch = dataplane_pb2.TokenBatch(
                 worker_id=self.worker_id, step=step, outputs=seq_outputs

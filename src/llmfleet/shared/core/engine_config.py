@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,14 @@ class EngineConfig:
     sim_step_ms: float = 5.5
     sim_decode_ms_per_seq: float = 0.055
     sim_prefill_ms_per_token: float = 0.04
+    # Speculative decoding (engine/spec_decode/): None never drafts tokens.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValidationError("speculative", "must be a SpeculativeConfig or unset")
+        if self.speculative is not None and self.simulate:
+            raise ValidationError("speculative", "a simulated model has no logits to verify")
         for name in ("sim_step_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
             if not 0 <= getattr(self, name) <= 60_000:
                 raise ValidationError(name, f"must be in [0, 60000], got {getattr(self, name)}")

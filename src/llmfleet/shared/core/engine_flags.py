@@ -7,6 +7,10 @@ as None, which leaves the `LLMFLEET_<FIELD>` variable or the field's default in 
 `engine_argv` turns parsed values back into flags, so what `llmfleet up` was given reaches
 the workers unchanged. Every field has a help text here (a test checks it), so a new engine
 setting is reachable from the command line as soon as it exists.
+
+The nested `speculative` setting is the exception: its flags are SpeculativeSettings' fields
+(`--speculative-method`, `--num-speculative-tokens`, ...; shared/core/speculative_settings.py),
+a config of their own that the worker folds into EngineConfig once its device is known.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import typing
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from llmfleet.shared.core import speculative_settings
 from llmfleet.shared.core.config import EngineConfig
+from llmfleet.shared.core.speculative import METHODS
+from llmfleet.shared.core.speculative_settings import SpeculativeSettings
 
 HELP = {
     "model": "HF checkpoint directory or .gguf file (default: the bundled SmolLM2)",
@@ -54,7 +61,11 @@ HELP = {
     "sim_step_ms": "simulated: milliseconds every step takes (default 5.5)",
     "sim_decode_ms_per_seq": "simulated: milliseconds per decoding sequence (default 0.055)",
     "sim_prefill_ms_per_token": "simulated: milliseconds per prompt token (default 0.04)",
+    "speculative": "speculative decoding: the --speculative-* flags, --num-speculative-tokens, "
+    "--ngram-min and --ngram-max",
 }
+# EngineConfig fields set through flags of their own config (not one flag of the same name).
+NESTED = ("speculative",)
 _CHOICES = {"quantization": ["fp8"], "load_format": ["auto", "dummy"]}
 
 
@@ -67,7 +78,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Collection[str] =
     """One flag per EngineConfig field not in `skip`; each parses to None when left out."""
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        if f.name in skip:
+        if f.name in skip or f.name in NESTED:
             continue
         flag = "--" + f.name.replace("_", "-")
         base = _base_type(hints[f.name])
@@ -83,13 +94,34 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Collection[str] =
         if f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
         parser.add_argument(flag, dest=f.name, **kwargs)
+    if "speculative" not in skip:
+        add_speculative_flags(parser)
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    """SpeculativeSettings' flags (and vLLM's spellings of them); each parses to None when left
+    out."""
+    hints = typing.get_type_hints(SpeculativeSettings)
+    for f in dataclasses.fields(SpeculativeSettings):
+        flags = ["--" + f.name.replace("_", "-"), *speculative_settings.ALIASES.get(f.name, ())]
+        kwargs: dict[str, Any] = {"default": None, "help": speculative_settings.HELP[f.name]}
+        if _base_type(hints[f.name]) is int:
+            kwargs["type"] = lambda s: int(s, 0)
+            kwargs["metavar"] = "N"
+        if f.name == "speculative_method":
+            kwargs["choices"] = METHODS
+        elif f.name == "speculative_model":
+            kwargs["metavar"] = "PATH"
+        elif f.name == "speculative_disable_batch_size":
+            kwargs["metavar"] = "{auto,never,N}"
+        parser.add_argument(*flags, dest=f.name, **kwargs)
 
 
 def engine_argv(values: Mapping[str, Any]) -> list[str]:
     """The worker flags that set these EngineConfig fields (None values are left out)."""
     argv: list[str] = []
     for name, value in values.items():
-        if value is None:
+        if value is None or name in NESTED:
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -44,6 +44,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # None: unconstrained
+    # Speculative decoding for this request: None: the worker's default; False: never; True:
+    # whenever the worker has a proposer (engine/spec_decode/).
+    speculative: bool | None = None
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class SamplingParams:
                 raise ValidationError("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t, lo=0)
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise ValidationError("speculative", f"must be a boolean, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from llmfleet.v1 import common_pb2
 _OPTIONAL_SAMPLING = (
     "n", "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
-    "skip_special_tokens",
+    "skip_special_tokens", "speculative",
 )  # fmt: skip
 
 FINISH_TO_PB = {
@@ -101,6 +101,8 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = p.seed
     if p.logprobs is not None:
         pb.logprobs = p.logprobs
+    if p.speculative is not None:
+        pb.speculative = p.speculative
     if p.structured_output is not None:
         pb.structured_output.CopyFrom(structured_output_to_pb(p.structured_output))
     return pb

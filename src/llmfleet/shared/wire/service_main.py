@@ -48,10 +48,13 @@ class ServiceMain:
     package: str  # e.g. "llmfleet.services.router"; its last part names the service in logs
     description: str
     add_flags: Callable[[argparse.ArgumentParser], None]  # the flags after the three common ones
-    configs: tuple[type, ...]  # the config classes `serve` takes, in its argument order
+    configs: tuple[type, ...]  # the config classes of its flags (`serve` takes them, folded)
     port_help: str = "gRPC port (0: any free port)"
     metrics_port_help: str = "Prometheus /metrics port (0: any)"
     serve_flags: tuple[str, ...] = ()  # flags passed to `serve` as keywords, in this order
+    # The configs `serve` takes, from the parsed ones (e.g. the worker folds its speculative
+    # settings into its EngineConfig); may raise ValidationError. None: as parsed.
+    fold: Callable[..., tuple[Any, ...]] | None = None
     returns_server: bool = False
     usage_on_bad_config: bool = False
 
@@ -121,6 +124,8 @@ class ServiceMain:
             per_config[owners[0]][dest] = value
         try:
             configs = [from_env(c, **kw) for c, kw in zip(self.configs, per_config, strict=True)]
+            if self.fold is not None:
+                configs = list(self.fold(*configs))
         except ValidationError as exc:
             if self.usage_on_bad_config:
                 parser.error(str(exc))
@@ -128,7 +133,8 @@ class ServiceMain:
         return (*configs, *(flags[name] for name in self.serve_flags))
 
     async def _run(self, serve: Callable[..., Any], parsed: tuple[Any, ...]) -> None:
-        configs, values = parsed[: len(self.configs)], parsed[len(self.configs) :]
+        split = len(parsed) - len(self.serve_flags)
+        configs, values = parsed[:split], parsed[split:]
         kwargs = dict(zip(self.serve_flags, values, strict=True))
         if not self.returns_server:
             await serve(*configs, **kwargs)
