@@ -39,7 +39,7 @@ class Fleet:
         defaults: dict[str, Any] = dict(
             port=0,
             heartbeat_interval_ms=50,
-            heartbeat_timeout_ms=400,
+            heartbeat_timeout_ms=1000,  # 400 expired a live worker once in a loaded CI run
             routing_policy="round_robin",
         )
         defaults.update(config)

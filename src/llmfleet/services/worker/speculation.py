@@ -110,7 +110,10 @@ class SpecMetrics:
         self._accepted = NUM_ACCEPTED_TOKENS.labels(name)
         self._emitted = NUM_EMITTED_TOKENS.labels(name)
         self._mean = MEAN_ACCEPTED_LENGTH.labels(name)
-        self._per_pos = [ACCEPTED_PER_POS.labels(name, str(i)) for i in range(_k(config))]
+        # Every position a draft can reach, at 0 from the start (position 0 when speculation is
+        # off), so the dashboard's per-position panel always finds its series.
+        positions = range(max(1, _k(config)))
+        self._per_pos = [ACCEPTED_PER_POS.labels(name, str(i)) for i in positions]
         self._seen = (0, 0, 0, 0, 0)
         self._seen_pos = [0] * len(self._per_pos)
 
