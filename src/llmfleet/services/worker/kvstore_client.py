@@ -15,8 +15,6 @@ sent without copying: the caller keeps their memory unchanged until `put` return
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,11 +28,12 @@ from opentelemetry.trace import SpanKind
 
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.core.kv_index import KVSnapshot
+from llmfleet.shared.wire.dealer import SeqDealer
 from llmfleet.shared.wire.limits import channel_options
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tls import FleetTLS, aio_channel, zmq_context
 from llmfleet.shared.wire.tracing import child_span, metadata, traceparent
-from llmfleet.shared.wire.transport import Frame, MalformedFrame, decode, encode
+from llmfleet.shared.wire.transport import Frame
 from llmfleet.v1 import dataplane_pb2, kvstore_pb2, kvstore_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -66,10 +65,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self._ctx = ctx
         self._own_ctx = ctx is None  # a private context (Context.instance() may be a sync one)
-        self._seq = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[_Reply]] = {}
-        self._sock: zmq.asyncio.Socket | None = None
-        self._recv_task: asyncio.Task[None] | None = None
+        self._dealer: SeqDealer[dataplane_pb2.KVStoreHeader] | None = None  # made on first use
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
         self._closed = False
@@ -153,15 +149,8 @@ class KVStoreClient:
         if self._closed:
             return
         self._closed = True
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(Unavailable(f"kvstore client for {self.endpoint} closed"))
-        self._pending.clear()
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            await asyncio.gather(self._recv_task, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        if self._dealer is not None:
+            await self._dealer.close()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
         if self._channel is not None:
@@ -175,62 +164,23 @@ class KVStoreClient:
         payload: Sequence[Frame],
         timeout_s: float | None,
     ) -> _Reply:
-        sock = self._socket()
-        seq = next(self._seq)
-        header.seq = seq
-        fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
-        self._pending[seq] = fut
         op = dataplane_pb2.KVStoreOp.Name(header.op)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                await sock.send_multipart(encode(header, payload), copy=False)
-                reply, frames = await fut
-        except TimeoutError:
-            raise Unavailable(
-                f"kvstore {self.endpoint}: no reply to {op} seq={seq} within {timeout:g} s"
-            ) from None
-        except zmq.ZMQError as e:
-            raise Unavailable(f"kvstore {self.endpoint}: {op} failed: {e}") from None
-        finally:
-            self._pending.pop(seq, None)
+        reply, frames = await self._socket().request(header, payload, timeout_s=timeout, what=op)
         if reply.error:
             raise KVStoreError(f"kvstore {self.endpoint} rejected {op}: {reply.error}")
         return reply, frames
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _socket(self) -> SeqDealer[dataplane_pb2.KVStoreHeader]:
         if self._closed:
             raise Unavailable(f"kvstore client for {self.endpoint} is closed")
-        if self._sock is None:
+        if self._dealer is None:
             if self._ctx is None:
                 self._ctx = zmq_context(self._tls)
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoint)
-            self._sock = sock
-            self._recv_task = asyncio.create_task(self._receive(sock))
-        return self._sock
-
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-                reply, payload = decode(frames, dataplane_pb2.KVStoreHeader)
-            except asyncio.CancelledError:
-                raise
-            except MalformedFrame as e:
-                logger.warning("kvstore client: dropped malformed reply: %s", e)
-                continue
-            except zmq.ZMQError as e:
-                if sock.closed:
-                    return
-                logger.warning("kvstore client: receive failed: %s", e)
-                continue
-            fut = self._pending.get(reply.seq)
-            if fut is None or fut.done():
-                logger.debug("kvstore client: late or unknown reply seq=%d dropped", reply.seq)
-                continue
-            fut.set_result((reply, payload))  # type: ignore[arg-type]
+            self._dealer = SeqDealer(
+                self._ctx, self.endpoint, dataplane_pb2.KVStoreHeader, "kvstore"
+            )
+        return self._dealer
 
     # ---- control plane ----------------------------------------------------------------------
 

@@ -25,8 +25,6 @@ meanwhile. A malformed request gets a reply with `error` set and a log line; the
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -38,6 +36,7 @@ import zmq.asyncio
 
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.core.multimodal import PixelInput
+from llmfleet.shared.wire.dealer import SeqDealer
 from llmfleet.shared.wire.service import Unavailable
 from llmfleet.shared.wire.tls import FleetTLS, zmq_context
 from llmfleet.shared.wire.tracing import traceparent
@@ -206,51 +205,6 @@ class MediaServer:
             self.on_fetch(len(pixels), len(missing))
 
 
-_Reply = tuple[dataplane_pb2.MediaReply, list[zmq.Frame]]
-
-
-class _Dealer:
-    """One DEALER connected to one media store, with the task reading its replies."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.pending: dict[int, asyncio.Future[_Reply]] = {}
-        self.task = asyncio.create_task(self._receive())
-
-    async def _receive(self) -> None:
-        while True:
-            try:
-                frames = await self.sock.recv_multipart(copy=False)
-                reply, payload = decode(frames, dataplane_pb2.MediaReply)
-            except asyncio.CancelledError:
-                raise
-            except MalformedFrame as e:
-                logger.warning("media client: dropped malformed reply: %s", e)
-                continue
-            except zmq.ZMQError as e:
-                if self.sock.closed:
-                    return
-                logger.warning("media client: receive from %s failed: %s", self.endpoint, e)
-                continue
-            fut = self.pending.get(reply.seq)
-            if fut is None or fut.done():
-                logger.debug("media client: late or unknown reply seq=%d dropped", reply.seq)
-                continue
-            fut.set_result((reply, payload))  # type: ignore[arg-type]
-
-    async def close(self) -> None:
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(Unavailable(f"media client for {self.endpoint} closed"))
-        self.pending.clear()
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.sock.close(linger=0)
-
-
 class MediaClient:
     """Fetches pixels from media stores (any number of endpoints; one DEALER each, made on
     first use). Concurrent fetches from one event loop are safe: replies match by seq.
@@ -269,8 +223,7 @@ class MediaClient:
         self._ctx = ctx
         self._own_ctx = ctx is None
         self._tls = tls
-        self._seq = itertools.count(1)
-        self._dealers: dict[str, _Dealer] = {}
+        self._dealers: dict[str, SeqDealer[dataplane_pb2.MediaReply]] = {}
         self._closed = False
 
     async def fetch(
@@ -296,26 +249,13 @@ class MediaClient:
         if dealer is None:
             if self._ctx is None:
                 self._ctx = zmq_context(self._tls)
-            dealer = self._dealers[endpoint] = _Dealer(self._ctx, endpoint)
-        seq = next(self._seq)
-        request = dataplane_pb2.MediaRequest(
-            seq=seq, content_hashes=hashes, traceparent=traceparent()
-        )
-        fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
-        dealer.pending[seq] = fut
+            dealer = SeqDealer(self._ctx, endpoint, dataplane_pb2.MediaReply, "media store")
+            self._dealers[endpoint] = dealer
+        request = dataplane_pb2.MediaRequest(content_hashes=hashes, traceparent=traceparent())
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                await dealer.sock.send_multipart(encode(request), copy=False)
-                reply, frames = await fut
-        except TimeoutError:
-            raise Unavailable(
-                f"media store {endpoint}: no reply within {timeout:g} s for {len(hashes)} images"
-            ) from None
-        except zmq.ZMQError as e:
-            raise Unavailable(f"media store {endpoint}: fetch failed: {e}") from None
-        finally:
-            dealer.pending.pop(seq, None)
+        reply, frames = await dealer.request(
+            request, (), timeout_s=timeout, what=f"a fetch of {len(hashes)} images"
+        )
         return _pixels(reply, frames, hashes, endpoint)
 
     async def close(self) -> None:
