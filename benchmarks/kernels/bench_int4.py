@@ -2,7 +2,9 @@
 
     python3 benchmarks/kernels/bench_int4.py [--quick] [--budget SECONDS]
 
-For every shape (N, K) of a 4096 x 14336 weight in both orientations and M in 1, 4, 16, each
+For every shape (N, K) (default: a 4096 x 14336 weight in both orientations; `--shapes`) and
+M (default 1, 4, 16; `--ms`: above 16 the default path is 16-row `int4_gemv` chunks up to
+`gemv_chunks_up_to`, and `--old-tiles` times the tile kernel beside it), each
 candidate is first checked against the float32 reference (dequantize, then matmul) on fresh
 random data, twice (a race between the splits of K would show as a moving error), and the
 split-K arrival counters (and `int4_gemv`'s atomically added sums) must be all zeros
@@ -115,6 +117,14 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=200.0, help="seconds for the sweep")
     p.add_argument("--log", default=None, help="append every row to this file")
     p.add_argument("--old-tiles", action="store_true", help="also time the M > 16 tile kernel")
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16], help="M values (1 4 16)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["14336x4096", "4096x14336"],
+        help="weights as NxK (default: 14336x4096 4096x14336)",
+    )
+    p.add_argument("--groups", type=int, nargs="+", help="group sizes (default 128 32)")
     args = p.parse_args()
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -133,14 +143,15 @@ def main() -> None:
     header = f"{'M':>3} {'N':>6} {'K':>6} {'G':>4} {'variant':<34} {'us':>7} {'GB/s':>6}"
     header += f" {'vs bf16':>7} err"
     emit(header)
-    groups = [128] if args.quick else [128, 32]
+    groups = args.groups or ([128] if args.quick else [128, 32])
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     dtype = torch.bfloat16
-    for group, (n, k) in itertools.product(groups, [(14336, 4096), (4096, 14336)]):
+    for group, (n, k) in itertools.product(groups, shapes):
         wbytes = k * n // 2 + 2 * (k // group) * n * 2
         copies, pick = rotating(lambda: ip.random_int4(k, n, group, dtype), wbytes)  # noqa: B023
         dense = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(2)]
         dit = itertools.cycle(dense)
-        for m in (1, 4, 16):
+        for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             base = bench(lambda: x @ next(dit).t())  # noqa: B023
             nbytes = wbytes + 2 * m * (k + n)

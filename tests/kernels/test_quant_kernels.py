@@ -204,6 +204,30 @@ def test_int4_matmul(by_load, dtype, m, n, k, group, block_k, split) -> None:
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("m", [17, 24, 32])
+def test_int4_matmul_default_runs_batches_past_16_rows_as_gemv_chunks(m, monkeypatch) -> None:
+    """Up to `gemv_chunks_up_to` rows, the default path is 16-row `int4_gemv` calls writing
+    their rows of one output in place (the last chunk ragged): every row equals the reference
+    and each chunk went to the decode kernel."""
+    qweight, scales, zeros, _ = _random_int4(256, 40, 32, torch.bfloat16)
+    x = torch.randn(m, 256, device=DEV, dtype=torch.bfloat16)
+    assert m <= i4.gemv_chunks_up_to(40, 256)
+    calls = []
+    gemv = i4.int4_gemv
+    monkeypatch.setattr(
+        i4, "int4_gemv", lambda x, *a, **kw: calls.append(len(x)) or gemv(x, *a, **kw)
+    )
+    out = i4.int4_matmul(x, qweight, scales, zeros, 32)
+    assert calls == [16, m - 16]
+    assert out.shape == (m, 40)
+    assert rel_err(out, ip.int4_matmul_ref(x, qweight, scales, zeros, 32)) < 1e-2
+
+
+def test_int4_gemv_chunks_reach_48_rows_for_8b_sized_weights() -> None:
+    assert i4.gemv_chunks_up_to(576, 576) == 32  # SmolLM2's projections
+    assert i4.gemv_chunks_up_to(4096, 4096) == 48  # Llama-3-8B's
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "m,n,k,group,block_n,block_kp,split,dot",

@@ -411,6 +411,7 @@ def int4_gemv(
     zeros: torch.Tensor,  # (K // G, N) x.dtype
     group_size: int,
     config: GemvConfig | MmaConfig | None = None,
+    out: torch.Tensor | None = None,  # (M, N) x.dtype, unit stride along N: written in place
 ) -> torch.Tensor:
     """out (M, N) = x @ W for M <= 16. `int4_matmul` validates the layouts and calls this for
     small M; direct callers pass the same checked tensors. By default every M runs `int4_mma`
@@ -422,9 +423,9 @@ def int4_gemv(
     if isinstance(config, MmaConfig):
         if not mma_supported(x.dtype):
             raise ValueError("int4_mma needs Gluon and an NVIDIA GPU of sm_80 or later")
-        return int4_mma(x, qweight, scales, zeros, group_size, config)
+        return int4_mma(x, qweight, scales, zeros, group_size, config, out)
     if config is None and mma_supported(x.dtype):
-        return int4_mma(x, qweight, scales, zeros, group_size)
+        return int4_mma(x, qweight, scales, zeros, group_size, out=out)
     cfg = config or default_gemv_config(m, n, k, group_size, x.dtype)
     if cfg.packed and x.dtype == torch.bfloat16 and not packed_products_supported():
         raise ValueError("packed bf16x2 products need an NVIDIA GPU of sm_80 or later")
@@ -432,7 +433,7 @@ def int4_gemv(
         raise ValueError(f"block_kp={cfg.block_kp} is too small for a dot (>= 2: K >= 16)")
     if not cfg.dot and m > 1:
         raise ValueError(f"the float32 kernel serves M == 1, got M={m}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
     block_m = 16 if cfg.dot else 1

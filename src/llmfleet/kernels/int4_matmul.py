@@ -13,8 +13,10 @@ reference) for W of logical shape (K, N) = (in_features, out_features):
     x   (M, K) float16/bfloat16, unit stride along K;  out (M, N) in x's dtype.
 
 Decode (M <= 16) is bound by reading qweight (K N / 2 bytes), a quarter of a bf16 weight: the
-launcher hands it to `int4_gemv` (split-K, nibbles consumed in place, one launch). Larger M runs
-the tensor-core tiles below, which dequantize a (BLOCK_K, BLOCK_N) tile per step.
+launcher hands it to `int4_gemv` (split-K, nibbles consumed in place, one launch), and a
+little larger M (a decode step of a few more sequences, or a sequence with its drafts) to
+`int4_gemv` on 16 rows at a time (`gemv_chunks_up_to`). Larger M runs the tensor-core tiles
+below, which dequantize a (BLOCK_K, BLOCK_N) tile per step.
 """
 
 from __future__ import annotations
@@ -144,6 +146,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def gemv_chunks_up_to(n: int, k: int) -> int:
+    """The largest M that runs as `int4_gemv` calls of 16 rows each rather than as the tiles
+    here. Measured on an H200 (benchmarks/kernels/bench_int4.py --old-tiles, bf16, group 32,
+    weights past L2; docs/benchmarks.md): two chunks beat the tiles (split-K partial sums, then
+    a reduction) at every shape from SmolLM2-135M's to Llama-3-8B's, 7.7-9.0 against
+    12.6-14.1 us for SmolLM2 and 19.5-74 against 54-216 us for 8B at M = 17..32; three chunks
+    still win for 8B-sized weights (31-111 against 48-166 us at M = 48), not for SmolLM2's."""
+    return 3 * GEMV_MAX_M if n * k >= 4096 * 4096 else 2 * GEMV_MAX_M
+
+
 def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
     """Block shapes by M (tuned with bench_matmul_moe): at decode sizes
     narrow-M tiles streaming the packed weight, split over K to about 1.5 waves of 132 SMs;
@@ -174,7 +186,8 @@ def int4_matmul(
 ) -> torch.Tensor:
     """out (M, N) = x (M, K) @ W (K, N), W unpacked from the layout in the module docstring.
 
-    M <= 16 without an explicit `config` runs `int4_gemv`; a config forces these tiles."""
+    Without an explicit `config`, M <= 16 runs `int4_gemv`, and M up to `gemv_chunks_up_to`
+    runs it on 16 rows at a time; a config forces these tiles."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16):
@@ -197,6 +210,10 @@ def int4_matmul(
     if config is None and m <= GEMV_MAX_M:
         return int4_gemv(x, qweight, scales, zeros, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if config is None and m <= gemv_chunks_up_to(n, k):
+        for i in range(0, m, GEMV_MAX_M):  # each chunk's rows of out, in place
+            int4_gemv(x[i : i + GEMV_MAX_M], qweight, scales, zeros, group_size, out=out[i:])
+        return out
     if m == 0 or n == 0:
         return out
     cfg = config or default_config(m, n, k, group_size)

@@ -466,6 +466,7 @@ def int4_mma(
     zeros: torch.Tensor,  # (K // G, N) x.dtype
     group_size: int,
     config: MmaConfig | None = None,
+    out: torch.Tensor | None = None,  # (M, N) x.dtype, unit stride along N: written in place
 ) -> torch.Tensor:
     """out (M, N) = x @ W. Callers (`int4_gemv`) pass tensors `int4_matmul` has checked and
     run this only where `mma_supported(x.dtype)`."""
@@ -474,7 +475,7 @@ def int4_mma(
     if m > MAX_M:
         raise ValueError(f"int4_mma serves M <= {MAX_M}, got M={m}")
     cfg = config or default_mma_config(m)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
     if k < 8:  # no packed row: an empty sum
