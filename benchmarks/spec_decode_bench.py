@@ -20,7 +20,8 @@ batch size where it stops paying.
     this device's threshold, recorded for `--speculative-disable-batch-size auto` with
     `--write-threshold` (engine/spec_decode/thresholds/), then what a worker resolves "auto" to.
 
-Every run is greedy, so each configuration emits the same tokens (checked: a mismatch fails).
+Every run is greedy, so each configuration should emit the same tokens: checked, a mismatch
+fails in float32 and is reported in bfloat16, where a verification pass rounds differently.
 """
 
 from __future__ import annotations
@@ -194,9 +195,23 @@ def chat_prompts(plan: Plan, tokenizer) -> list[list[int]]:
     ]
 
 
-def check_same(name: str, ref: Run, run: Run) -> None:
-    if run.tokens != ref.tokens:
+def check_same(name: str, ref: Run, run: Run, dtype: str) -> None:
+    """Greedy output must equal the run without speculation. In float32 any difference fails;
+    in bfloat16 a verification pass over k + 1 tokens rounds differently from a one-token step,
+    so a near-tie can flip an argmax and the sequences part from there: reported, not failed."""
+    if run.tokens == ref.tokens:
+        return
+    if dtype == "float32":
         raise SystemExit(f"{name}: greedy output differs from the run without speculation")
+    parted = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+        for x, y in zip(ref.tokens, run.tokens, strict=True)
+        if x != y
+    ]
+    print(
+        f"  note, {name}: {len(parted)} of {len(ref.tokens)} sequences part from the run without "
+        f"speculation (bf16 rounding), at output token {sorted(parted)}"
+    )
 
 
 def section_a(plan: Plan, loaded: LoadedModel, prompts: list[list[int]]) -> None:
@@ -212,7 +227,7 @@ def section_a(plan: Plan, loaded: LoadedModel, prompts: list[list[int]]) -> None
         if k == 0:
             ref = runs
         for i, (r0, r) in enumerate(zip(ref, runs, strict=True)):
-            check_same(f"(a) k={k} prompt {i}", r0, r)
+            check_same(f"(a) k={k} prompt {i}", r0, r, plan.dtype)
         total = Run([], sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs))
         for field in ("drafted", "accepted", "emitted"):
             setattr(total, field, sum(getattr(r, field) for r in runs))
@@ -273,7 +288,7 @@ def section_b(plan: Plan, root: Path) -> None:
                 "draft", num_speculative_tokens=k, model=path, draft_layers=draft_layers
             )
             run = timed(spec)
-            check_same(f"(b) {label} k={k}", ref, run)
+            check_same(f"(b) {label} k={k}", ref, run, plan.dtype)
             print(
                 f"{label:>18} {k:>3} {run.ms_per_token:9.3f} "
                 f"{run.ms_per_token / ref.ms_per_token:7.2f}x {run.acceptance:7.2f}"
@@ -294,7 +309,7 @@ def section_c(plan: Plan, loaded: LoadedModel, prompts: list[list[int]], write: 
             batch = [prompts[i % len(prompts)] for i in range(b)]
             results[k][b] = run = generate(engine, batch, params)
             if k:
-                check_same(f"(c) k={k} batch {b}", results[0][b], run)
+                check_same(f"(c) k={k} batch {b}", results[0][b], run, plan.dtype)
         del engine
     head = "".join(f" {'k=' + str(k):>9} {'ratio':>6}" for k in plan.c_ks)
     print(f"{'batch':>5} {'none':>9}{head}")

@@ -96,3 +96,39 @@ def test_engine_on_the_padded_path_gives_eager_tokens(make_checkpoint, tmp_path)
     assert greedy_tokens(engine, prompts, steps) == want
     assert padded.num_replays == steps - 1
     assert engine.num_free_blocks == 32
+
+
+def test_speculation_on_the_padded_path_gives_eager_tokens(make_checkpoint, tmp_path) -> None:
+    """The target as its own draft, both replaying the padded decode step as their graphs
+    would: the target's verification rows (a sequence's token and its drafts) and the draft's
+    steady catch-up (a token or two a request, a row each) go through it, and the greedy tokens
+    equal those of the engine without speculation."""
+    from llmfleet.shared.core.speculative import SpeculativeConfig
+
+    steps = 10
+    backend = TritonAttentionBackend(force_triton=True)
+    path = str(make_checkpoint("llama", tmp_path))
+    loaded = load_model(path, device=DEVICE, backend=backend, progress=False)
+    cfg = dict(device=DEVICE, block_size=16, num_kv_blocks=32, cuda_graph_max_batch_size=0)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 19)]
+    want = greedy_tokens(LLMEngine(EngineConfig(**cfg), loaded), prompts, steps)
+    spec = SpeculativeConfig("draft", model=path, num_speculative_tokens=2)
+    engine = LLMEngine(EngineConfig(model=path, speculative=spec, **cfg), loaded)
+    draft = engine.speculator.proposer
+
+    def padded(runner) -> PaddedDecoder:
+        return PaddedDecoder(
+            loaded.model, runner.kv_caches, max_batch_size=8, max_model_len=64,
+            vocab_size=loaded.spec.vocab_size,
+        )  # fmt: skip
+
+    engine.runner.decode_graphs = padded(engine.runner)
+    draft.runner.decode_graphs = padded(draft.runner)
+    graphed = []
+    catch_up = draft._catch_up_graphed
+    draft._catch_up_graphed = lambda rows, q: graphed.append(catch_up(rows, q)) or graphed[-1]
+    assert greedy_tokens(engine, prompts, steps) == want
+    assert engine.spec_stats.num_accepted == engine.spec_stats.num_drafted > 0  # self-draft
+    assert engine.runner.decode_graphs.num_replays > 0  # verification rows
+    assert sum(t is not None for t in graphed) >= 2  # steady catch-ups replayed

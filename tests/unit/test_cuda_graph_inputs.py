@@ -21,6 +21,7 @@ from llmfleet.models.loader import load_model
 from llmfleet.services.worker.__main__ import parse_config
 from llmfleet.shared.core.config import EngineConfig, from_env
 from llmfleet.shared.core.errors import ValidationError
+from llmfleet.shared.core.speculative import SpeculativeConfig
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_max():
@@ -133,6 +134,10 @@ def test_engine_config_knob():
     assert (
         EngineConfig(device="cuda", max_num_seqs=1024).resolved().cuda_graph_max_batch_size == 512
     )
+    # with drafts a step brings up to 1 + k rows a sequence
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    drafting = EngineConfig(device="cuda", max_num_seqs=64, speculative=spec).resolved()
+    assert drafting.cuda_graph_max_batch_size == drafting.decode_rows == 320
     assert EngineConfig(cuda_graph_max_batch_size=0).cuda_graph_max_batch_size == 0
     with pytest.raises(ValidationError, match="cuda_graph_max_batch_size"):
         EngineConfig(cuda_graph_max_batch_size=-1)

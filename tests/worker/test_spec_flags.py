@@ -78,8 +78,9 @@ def test_cost_model_stops_speculating_sooner_with_more_drafts_or_less_acceptance
     low = threshold.CostModel(ridge_tokens=128.0, acceptance=0.3)
     high = threshold.CostModel(ridge_tokens=128.0, acceptance=0.8)
     assert low.threshold(4) < high.threshold(4)
-    # a = 0.5, k = 3: E = 1.875, B < 128 * 0.775 / 2.125 = 46.7
-    assert gpu.threshold(3) == 46
+    # a = 0.5, k = 3: E = 1.875, B < 16 * (0.875 - 0.3) / 2.125 = 4.3
+    assert gpu.threshold(3) == 4
+    assert [gpu.threshold(k) for k in (2, 4)] == [5, 3]
 
 
 def test_prefill_workers_never_speculate():

@@ -125,7 +125,7 @@ def forward_pass(
     runner.mm = MultimodalInputs(
         loaded.model, device, config.encoder_cache_mb << 20, tensor_parallel=tp
     )
-    graph_batch = min(config.cuda_graph_max_batch_size or 0, config.max_num_seqs or 0)
+    graph_batch = min(config.cuda_graph_max_batch_size or 0, config.decode_rows)
     if device.type == "cuda" and graph_batch > 0:
         try:
             runner.capture_decode_graphs(graph_batch, max_model_len)

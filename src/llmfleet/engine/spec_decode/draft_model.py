@@ -8,8 +8,9 @@ of the request's tokens its cache holds (`num_real`) and which drafts it fed aft
   1. catch-up: the cache is valid up to the first fed draft the target did not accept, so
      the request's tokens from there on (the whole prompt on first sight; after a verified
      step the bonus token, and the last draft if every draft was accepted) run through the
-     draft model in one varlen batch (chunked by `max_num_batched_tokens`); the logits of
-     each request's last token give draft 1;
+     draft model in one varlen batch (chunked by `max_num_batched_tokens`; a steady
+     catch-up of a token or two a request replays the decode graphs, a row a token); the
+     logits of each request's last token give draft 1;
   2. k - 1 batched greedy decode steps give drafts 2..k (each feeds the previous draft).
 
 Rejected drafts' KV is never read again: the next catch-up overwrites their slots. A greedy
@@ -185,7 +186,8 @@ class DraftModelProposer(Proposer):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         block_bytes = kv_bytes_per_block(spec, ec.block_size, ec.torch_dtype)
-        graphs = min(ec.cuda_graph_max_batch_size or 0, ec.max_num_seqs or 0)
+        # a steady catch-up brings two rows a sequence (module docstring)
+        graphs = min(ec.cuda_graph_max_batch_size or 0, (ec.max_num_seqs or 0) * 2)
         return cls(
             model,
             spec,
@@ -241,6 +243,9 @@ class DraftModelProposer(Proposer):
         self, rows: list[tuple[Request, int]], q: list[list[torch.Tensor]]
     ) -> torch.Tensor:
         """Run each request's tokens from index `valid` to its end; (R,) next tokens."""
+        graphed = self._catch_up_graphed(rows, q)
+        if graphed is not None:
+            return graphed
         first = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         pending = list(enumerate(rows))
         while pending:
@@ -271,6 +276,33 @@ class DraftModelProposer(Proposer):
                 first[idx] = pick_tokens(logits, [rows[r][0] for r in sampled], q, sampled)
             pending = later
         return first
+
+    def _catch_up_graphed(
+        self, rows: list[tuple[Request, int]], q: list[list[torch.Tensor]]
+    ) -> torch.Tensor | None:
+        """A steady catch-up (a token or two a request) as one replay of the decode graphs:
+        each token is a row of its own (a row sees the rows before it, model_runner.py); the
+        logits of each request's last row give its next token. None when it does not fit."""
+        graphs = self.runner.decode_graphs
+        if graphs is None or any(req.num_tokens - start > 2 for req, start in rows):
+            return None
+        token_ids: list[int] = []
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        last: list[int] = []
+        for req, start in rows:
+            table = self.bm.block_ids(req.request_id)
+            for p in range(start, req.num_tokens):
+                token_ids.append(req.all_token_ids[p])
+                positions.append(p)
+                tables.append(table)
+            last.append(len(token_ids) - 1)
+        if not graphs.fits(positions, tables):
+            return None
+        logits = graphs.run(token_ids, positions, tables)
+        if len(last) < len(token_ids):
+            logits = logits[torch.tensor(last, dtype=torch.int64, device=self.device)]
+        return pick_tokens(logits, [req for req, _ in rows], q, list(range(len(rows))))
 
     def _decode(
         self,

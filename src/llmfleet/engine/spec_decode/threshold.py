@@ -46,9 +46,17 @@ class CostModel:
         return max(1, math.ceil(bound) - 1)
 
 
-# The ridge R per kind of device: a CPU's matmuls turn compute-bound at a few tokens; a GPU's
-# at its FLOP/s over its bytes/s (H100 bf16: ~295), less what launches and the host take.
-COST_MODELS = {"cpu": CostModel(ridge_tokens=8.0), "cuda": CostModel(ridge_tokens=128.0)}
+# The ridge R per kind of device, for a device without a measured table: a CPU's matmuls turn
+# compute-bound at a few tokens. A GPU's would at its FLOP/s over its bytes/s (H100 bf16:
+# ~295), but a speculating step is not chained ahead (async_scheduling.py), so its host work
+# (~0.3 ms) adds to every step, and a small model's step time grows with its rows long before
+# that ridge: measured with the bundled model (benchmarks/spec_decode_bench.py (c)),
+# n-gram drafting paid up to batch 2-4 on an H100 and an H200. R = 16 and o = 0.3 give 5, 4
+# and 3 for k = 2, 3, 4: close to those, and erring towards speculating less.
+COST_MODELS = {
+    "cpu": CostModel(ridge_tokens=8.0),
+    "cuda": CostModel(ridge_tokens=16.0, overhead=0.3),
+}
 
 
 def device_name(device: str) -> str:

@@ -39,9 +39,9 @@ class EngineConfig:
     max_logprobs: int = 20
     # Intra-op CPU threads; None: torch's default on a CPU device, 1 with a CUDA device.
     num_threads: int | None = None
-    # CUDA devices: decode steps of up to this many sequences replay CUDA graphs captured at
-    # start-up (capped by max_num_seqs); 0 runs every step eagerly; unset: max_num_seqs, at
-    # most 512. Ignored on the CPU.
+    # CUDA devices: decode steps of up to this many rows replay CUDA graphs captured at
+    # start-up (capped by `decode_rows`); 0 runs every step eagerly; unset: `decode_rows`, at
+    # most 512. A row is a sequence's token or one of its drafts. Ignored on the CPU.
     cuda_graph_max_batch_size: int | None = None
     # With CUDA graphs: launch the next decode step from the current one's token ids on the
     # device, before reading them back, so the host's work hides under the GPU's
@@ -145,8 +145,20 @@ class EngineConfig:
             num_threads=threads,
             max_num_seqs=seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 2048),
-            cuda_graph_max_batch_size=min(seqs, 512) if graphs is None else graphs,
+            cuda_graph_max_batch_size=min(seqs * self.rows_per_sequence, 512)
+            if graphs is None
+            else graphs,
         )
+
+    @property
+    def rows_per_sequence(self) -> int:
+        """Decode rows one running sequence may bring to a step: its token and its drafts."""
+        return 1 + (self.speculative.num_speculative_tokens if self.speculative else 0)
+
+    @property
+    def decode_rows(self) -> int:
+        """Rows of the largest decode step: every sequence with its drafts (after `resolved`)."""
+        return (self.max_num_seqs or 0) * self.rows_per_sequence
 
     @property
     def torch_dtype(self) -> Any:

@@ -46,8 +46,9 @@ HELP = {
     "max_logprobs": "top logprobs per position, at most (default 20)",
     "num_threads": "intra-op CPU threads (default: torch's on a CPU device, split among "
     "`llmfleet up`'s CPU workers; 1 with CUDA)",
-    "cuda_graph_max_batch_size": "CUDA: replay graphs for decode batches up to this size "
-    "(default: --max-num-seqs, at most 512; 0: eager)",
+    "cuda_graph_max_batch_size": "CUDA: replay graphs for decode steps of up to this many rows, "
+    "a row being a sequence's token or one of its drafts (default: --max-num-seqs times "
+    "1 + --num-speculative-tokens, at most 512; 0: eager)",
     "async_scheduling": "CUDA graphs: launch each decode step before the previous one's tokens "
     "are read back (default on)",
     "tensor_parallel_size": "split the model over N ranks (processes this worker starts on "
