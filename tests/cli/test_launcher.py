@@ -152,6 +152,20 @@ def test_child_that_never_serves_times_out_naming_it(tmp_path):
     assert all(code is not None for code in fleet.exit_codes().values())
 
 
+def test_picked_ports_are_free_distinct_and_below_the_ephemeral_range():
+    """A child binds its port after the launcher chose it: below the ephemeral range no
+    outgoing connection (the fleet's services dialling each other) can take it meanwhile."""
+    from llmfleet.cli.fleet_plan import _ephemeral_range
+
+    lo, _ = _ephemeral_range()
+    ports = pick_free_ports(40)
+    assert len(set(ports)) == 40
+    assert all(10000 <= p < lo for p in ports)
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
 def test_busy_public_port_is_reported_before_anything_starts(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

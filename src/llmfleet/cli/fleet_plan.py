@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -175,11 +176,36 @@ class Child:
         return "".join(list(self.tail)[-lines:]).rstrip()
 
 
-def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free right now (held open together so none repeats)."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (and of binds to 0)."""
     try:
-        for _ in range(count):
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free right now (held open together so none repeats).
+
+    A child binds its port a little later, so the ports come from below the ephemeral range
+    where the kernel can: there no outgoing connection in the meantime (the fleet's own
+    services connecting to each other) can take one as its local port."""
+    lo, _ = _ephemeral_range()
+    socks: list[socket.socket] = []
+    try:
+        if lo > 10000 + 4 * count:
+            for port in random.sample(range(10000, lo), min(lo - 10000, 64 * count)):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+                if len(socks) == count:
+                    return [s.getsockname()[1] for s in socks]
+        while len(socks) < count:  # the kernel's choice
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
