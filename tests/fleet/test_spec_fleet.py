@@ -16,12 +16,14 @@ import pytest
 import torch
 from fleet_helpers import WORKER_ARGS, reference_tokens
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from llmfleet.cli.fleet_plan import Child, FleetSpec
 from llmfleet.cli.launcher import Fleet
 from llmfleet.client.generation import GenerationClient
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.core.speculative_settings import SpeculativeSettings
+from llmfleet.text.detokenizer import IncrementalDetokenizer
 
 SHORT = 16  # prompts shorter than this are prefilled by the decode worker itself
 MAX_TOKENS = 24
@@ -180,3 +182,31 @@ def test_a_worker_with_bad_speculative_flags_exits_2_naming_the_flag(model):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--ngram-max" in proc.stderr
+
+
+def test_a_stop_string_ends_a_drafted_completion_at_its_token(model, client):
+    """A verified step brings several tokens; when a stop string completes at one of them but
+    the last, the completion ends there: the same tokens, text and token count as without
+    drafts, the tokens after it dropped."""
+    p = prompts()[0]
+    tokens = reference_tokens(model, [p], SamplingParams(**GREEDY))[0][0]
+    detok = IncrementalDetokenizer(AutoTokenizer.from_pretrained(model), p)
+    texts = [detok.add_tokens([t]) for t in tokens]  # each token's text
+    firsts, at = [], 0  # the first token of each delta of several (accepted drafts)
+    for d in client.stream(token_ids=p, **GREEDY):
+        if len(d.token_ids) > 1:
+            firsts.append(at)
+        at += len(d.token_ids)
+    first = next(i for i in firsts if texts[i])
+    upto = "".join(texts[: first + 1])
+    stop = next(upto[-n:] for n in range(1, len(upto) + 1) if upto.find(upto[-n:]) == len(upto) - n)
+    runs = []
+    for speculative in (False, True):
+        deltas = list(client.stream(token_ids=p, stop=[stop], speculative=speculative, **GREEDY))
+        res = client.generate(token_ids=p, stop=[stop], speculative=speculative, **GREEDY)
+        c = res.completions[0]
+        assert [t for d in deltas for t in d.token_ids] == c.token_ids
+        assert res.usage.completion_tokens == len(c.token_ids) == first + 1
+        assert c.text == upto[: -len(stop)] and c.finish_reason == "stop"
+        runs.append((c.token_ids, c.text))
+    assert runs[0] == runs[1]

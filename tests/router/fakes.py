@@ -114,8 +114,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                         continue
                     text = seq.add(feed.token_ids, feed.finished)
                     resp.texts.add(
-                        sequence_id=feed.sequence_id, text=text, stop_string=seq.stop_hit
-                    )
+                        sequence_id=feed.sequence_id, text=text, stop_string=seq.stop_hit,
+                        num_tokens=seq.used if seq.stop_hit else 0,
+                    )  # fmt: skip
                     if feed.finished:
                         del sequences[feed.sequence_id]
                 yield resp
@@ -131,10 +132,12 @@ class _ByteSequence:
         self.data = b""
         self.emitted = 0
         self.stop_hit = ""
+        self.used = 0  # with stop_hit: the tokens of the last feed up to the stop's end (ASCII)
 
     def add(self, token_ids, finished: bool) -> str:
         if self.stop_hit:
             return ""
+        before = len(self.data)
         self.data += bytes(t for t in token_ids if t < 256)
         text = self.data.decode("utf-8", errors="ignore")
         cut = len(text)
@@ -142,6 +145,7 @@ class _ByteSequence:
             at = text.find(s, max(0, self.emitted - len(s)))
             if at >= 0 and (not self.stop_hit or at < cut):
                 self.stop_hit, cut = s, at + (len(s) if self.include else 0)
+                self.used = at + len(s) - before
         if not self.stop_hit and not finished and self.stops:
             hold = max(len(s) - 1 for s in self.stops)
             cut = max(self.emitted, len(text) - hold)

@@ -39,7 +39,8 @@ def test_one_turn_of_feeds_is_one_request_and_each_gets_its_text():
         got = await asyncio.gather(
             *(s.feed(list(w), False) for s, w in zip(seqs, words, strict=True))
         )
-        assert [text for text, _ in got] == [w.decode() for w in words]
+        assert [text for text, _, _ in got] == [w.decode() for w in words]
+        assert [used for _, _, used in got] == [len(w) for w in words]
         reqs = fake.detokenize_requests
         assert [len(r.feeds) for r in reqs if r.feeds] == [50]  # one request for all feeds
         assert sum(len(r.opens) for r in reqs) == 50 and len(reqs) <= 2
@@ -57,11 +58,12 @@ def test_stop_strings_and_finished_sequences():
         a, b = DetokSequence(detok), DetokSequence(detok)
         a.open([], SamplingParams(stop=["END"]))
         b.open([], SamplingParams())
-        (ta, sa), (tb, sb) = await asyncio.gather(
+        (ta, sa, ua), (tb, sb, ub) = await asyncio.gather(
             a.feed(list(b"go END more"), False), b.feed(list(b"done"), True)
         )
         assert (ta, sa, a.stopped) == ("go ", "END", True)
-        assert (tb, sb) == ("done", "")
+        assert ua == len(b"go END")  # the tokens after the stop string are not the text's
+        assert (tb, sb, ub) == ("done", "", 4)
         a.close()
         b.close()  # finished: the tokenizer closed it already, nothing to send
         await asyncio.sleep(0.05)
@@ -74,7 +76,7 @@ def test_a_broken_stream_fails_its_sequences_and_the_next_open_starts_anew():
     async def body(fakes, detok, channel):
         old = DetokSequence(detok)
         old.open([], SamplingParams())
-        assert await old.feed(list(b"hi"), False) == ("hi", "")
+        assert await old.feed(list(b"hi"), False) == ("hi", "", 2)
         port = int(fakes[0].address.rpartition(":")[2])
         await fakes[0].stop()  # the tokenizer goes away: the stream breaks
         with pytest.raises(Unavailable, match="^tokenizer: "):
@@ -88,7 +90,7 @@ def test_a_broken_stream_fails_its_sequences_and_the_next_open_starts_anew():
         new.open([], SamplingParams())
         with pytest.raises(Unavailable):  # the old sequence stays lost
             await old.feed(list(b"again"), False)
-        assert await new.feed(list(b"fresh"), True) == ("fresh", "")
+        assert await new.feed(list(b"fresh"), True) == ("fresh", "", 5)
         old.close()
         assert detok.num_sequences_lost == 0
 

@@ -104,6 +104,33 @@ def test_detokenize_stream_equals_incremental_detokenizer(tokenizer, chunk, stop
         assert got[-1][1] == first  # sticky once matched
 
 
+def test_a_feed_of_several_tokens_ends_at_the_one_completing_a_stop_string(tokenizer):
+    """A feed may carry several tokens (a speculative step's, or steps joined): the answer says
+    how many of them the text used, up to and including the token that completed the stop
+    string, so the router drops the rest; feeds without a match leave it 0."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP"])
+    for ends, token in enumerate(ids):  # ends: the index of the token completing "STOP"
+        detok.add_tokens([token])
+        if detok.stop_reason:
+            break
+    assert ends + 3 < len(ids)  # tokens follow the one that completes "STOP"
+    start = max(0, ends - 2)
+    feeds = [ids[:start], ids[start:]]  # the second feed: two before, the end, and more after
+
+    async def body() -> list[tokenizer_pb2.DetokenizedText]:
+        async with serving(tokenizer) as (stub, _):
+            requests = [tokenizer_pb2.DetokenizeRequest(opens=[_open(1, stop=["STOP"])])]
+            requests += [tokenizer_pb2.DetokenizeRequest(feeds=[_feed(1, f)]) for f in feeds]
+            return [t for [t] in await _stream(stub, requests)]
+
+    first, second = asyncio.run(body())
+    assert (first.stop_string, first.num_tokens) == ("", 0)
+    assert second.stop_string == "STOP"
+    assert second.num_tokens == ends - start + 1
+    assert first.text + second.text == TEXT[: TEXT.find("STOP")]
+
+
 def test_many_sequences_share_one_stream(tokenizer):
     """Interleaved sequences, fed in batches, each get the text they would get alone; only
     requests that feed are answered, one text per feed in feed order."""

@@ -141,14 +141,9 @@ class LLM:
             return None  # ended by a stop string already
         res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
         detok = detoks[(out.request_id, out.index)]
-        # One token at a time (a speculative step brings several): the completion ends with
-        # the token that completes a stop string, as it would one token per step.
-        text, num_kept = "", 0
-        for token in out.new_token_ids:
-            text += detok.add_tokens([token])
-            num_kept += 1
-            if detok.stop_reason is not None:
-                break
+        # A speculative step brings several tokens: the completion ends with the one that
+        # completes a stop string, as it would one token per step.
+        text, num_kept = detok.add_tokens_until_stop(out.new_token_ids)
         comp.token_ids.extend(out.new_token_ids[:num_kept])
         comp.logprobs.extend(lp for lp in out.new_logprobs[:num_kept] if lp is not None)
         finish_reason = out.finish_reason

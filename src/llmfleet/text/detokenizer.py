@@ -175,6 +175,21 @@ class IncrementalDetokenizer:
         )
         return self._emit(new_text, final=False)
 
+    def add_tokens_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """`add_tokens` one id at a time, stopping at the id that completes a stop string: the
+        new text and how many of `token_ids` it used (all of them unless a stop string
+        matched). A sequence then ends with that id, however many ids arrived together (a
+        speculative step's, or several steps' joined)."""
+        if len(token_ids) <= 1 or not self._stop:
+            return self.add_tokens(token_ids), len(token_ids)
+        text, used = "", 0
+        for token_id in token_ids:
+            if self._stop_reason is not None:
+                break
+            text += self.add_tokens((token_id,))
+            used += 1
+        return text, used
+
     def finish(self) -> str:
         """Flush held-back text and incomplete characters; call once when the sequence ends."""
         if self._finished:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmfleet.v1 import common_pb2 as llmfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmfleet/v1/tokenizer.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\"k\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.llmfleet.v1.ChatPromptH\x00\x12\x16\n\x0emax_num_tokens\x18\x03 \x01(\x03\x42\x07\n\x05input\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12%\n\x06images\x18\x02 \x03(\x0b\x32\x15.llmfleet.v1.ImageRef\"\xab\x01\n\x0e\x44\x65tokenizeOpen\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x04 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"J\n\x0e\x44\x65tokenizeFeed\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"{\n\x11\x44\x65tokenizeRequest\x12*\n\x05opens\x18\x01 \x03(\x0b\x32\x1b.llmfleet.v1.DetokenizeOpen\x12*\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0b\x32\x1b.llmfleet.v1.DetokenizeFeed\x12\x0e\n\x06\x63loses\x18\x03 \x03(\x04\"X\n\x0f\x44\x65tokenizedText\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"A\n\x12\x44\x65tokenizeResponse\x12+\n\x05texts\x18\x01 \x03(\x0b\x32\x1c.llmfleet.v1.DetokenizedText2\xa7\x01\n\tTokenizer\x12G\n\x08Tokenize\x12\x1c.llmfleet.v1.TokenizeRequest\x1a\x1d.llmfleet.v1.TokenizeResponse\x12Q\n\nDetokenize\x12\x1e.llmfleet.v1.DetokenizeRequest\x1a\x1f.llmfleet.v1.DetokenizeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmfleet/v1/tokenizer.proto\x12\x0bllmfleet.v1\x1a\x18llmfleet/v1/common.proto\"k\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.llmfleet.v1.ChatPromptH\x00\x12\x16\n\x0emax_num_tokens\x18\x03 \x01(\x03\x42\x07\n\x05input\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12%\n\x06images\x18\x02 \x03(\x0b\x32\x15.llmfleet.v1.ImageRef\"\xab\x01\n\x0e\x44\x65tokenizeOpen\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x04 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"J\n\x0e\x44\x65tokenizeFeed\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"{\n\x11\x44\x65tokenizeRequest\x12*\n\x05opens\x18\x01 \x03(\x0b\x32\x1b.llmfleet.v1.DetokenizeOpen\x12*\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0b\x32\x1b.llmfleet.v1.DetokenizeFeed\x12\x0e\n\x06\x63loses\x18\x03 \x03(\x04\"l\n\x0f\x44\x65tokenizedText\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"A\n\x12\x44\x65tokenizeResponse\x12+\n\x05texts\x18\x01 \x03(\x0b\x32\x1c.llmfleet.v1.DetokenizedText2\xa7\x01\n\tTokenizer\x12G\n\x08Tokenize\x12\x1c.llmfleet.v1.TokenizeRequest\x1a\x1d.llmfleet.v1.TokenizeResponse\x12Q\n\nDetokenize\x12\x1e.llmfleet.v1.DetokenizeRequest\x1a\x1f.llmfleet.v1.DetokenizeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,9 +43,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETOKENIZEREQUEST']._serialized_start=507
   _globals['_DETOKENIZEREQUEST']._serialized_end=630
   _globals['_DETOKENIZEDTEXT']._serialized_start=632
-  _globals['_DETOKENIZEDTEXT']._serialized_end=720
-  _globals['_DETOKENIZERESPONSE']._serialized_start=722
-  _globals['_DETOKENIZERESPONSE']._serialized_end=787
-  _globals['_TOKENIZER']._serialized_start=790
-  _globals['_TOKENIZER']._serialized_end=957
+  _globals['_DETOKENIZEDTEXT']._serialized_end=740
+  _globals['_DETOKENIZERESPONSE']._serialized_start=742
+  _globals['_DETOKENIZERESPONSE']._serialized_end=807
+  _globals['_TOKENIZER']._serialized_start=810
+  _globals['_TOKENIZER']._serialized_end=977
 # @@protoc_insertion_point(module_scope)

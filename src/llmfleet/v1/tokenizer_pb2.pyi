@@ -60,16 +60,18 @@ class DetokenizeRequest(_message.Message):
     def __init__(self, opens: _Optional[_Iterable[_Union[DetokenizeOpen, _Mapping]]] = ..., feeds: _Optional[_Iterable[_Union[DetokenizeFeed, _Mapping]]] = ..., closes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizedText(_message.Message):
-    __slots__ = ("sequence_id", "text", "stop_string", "error")
+    __slots__ = ("sequence_id", "text", "stop_string", "error", "num_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     text: str
     stop_string: str
     error: str
-    def __init__(self, sequence_id: _Optional[int] = ..., text: _Optional[str] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., text: _Optional[str] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("texts",)

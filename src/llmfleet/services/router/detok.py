@@ -4,7 +4,7 @@ completion it streams, fed once per worker step for all of them.
     detok = Detokenizer(tokenizer_stub)             # one per router
     seq = DetokSequence(detok, trace_ctx, index)    # one per completion
     seq.open(prompt_ids, params)
-    text, stop = await seq.feed(token_ids, finished)
+    text, stop, used = await seq.feed(token_ids, finished)
     seq.close()
 
 Protocol (tokenizer.proto): a request opens sequences, feeds open ones and closes them; a request
@@ -214,8 +214,9 @@ class DetokSequence:
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._sid = self._detok.open(prompt_ids, params)
 
-    async def feed(self, token_ids: Sequence[int], finished: bool) -> tuple[str, str]:
-        """Text to emit for these new tokens, and the stop string if one matched."""
+    async def feed(self, token_ids: Sequence[int], finished: bool) -> tuple[str, str, int]:
+        """Text to emit for these new tokens, the stop string if one matched, and how many of
+        the tokens the text used (all of them, unless a stop string matched before the last)."""
         if self._sid is None:
             raise RuntimeError("feed before open")
         self.num_tokens += len(token_ids)
@@ -225,9 +226,10 @@ class DetokSequence:
             self._detok.finished(self._sid)
         if text.error:
             raise Unavailable(f"tokenizer: detokenize failed: {text.error}")
-        if text.stop_string:
-            self.stopped = True
-        return text.text, text.stop_string
+        if not text.stop_string:
+            return text.text, "", len(token_ids)
+        self.stopped = True
+        return text.text, text.stop_string, min(text.num_tokens or len(token_ids), len(token_ids))
 
     def close(self) -> None:
         if self.closed:

@@ -313,12 +313,12 @@ class Router:
             c = run.completions[leg.indices[wire_index]]
             if c.finished:
                 continue
-            ids = out.token_ids
             finished = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-            text, stop = await c.detok.feed(ids, finished)
+            text, stop, used = await c.detok.feed(out.token_ids, finished)
+            ids = out.token_ids[:used]  # a stop string ends the completion at its token
             delta = resp.deltas.add(index=c.index, text=text, token_ids=ids)
             if out.logprobs:
-                delta.logprobs.extend(out.logprobs)
+                delta.logprobs.extend(out.logprobs[:used])
             c.token_ids.extend(ids)
             c.count_drafts(out)
             num_tokens += len(ids)

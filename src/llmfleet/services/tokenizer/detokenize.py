@@ -94,10 +94,12 @@ class DetokenizeSession:
             del self._open[sid]
             out.error = str(exc)
             return out
-        text = detok.add_tokens(ids)
+        text, used = detok.add_tokens_until_stop(ids)
         if feed.finished:
             text += detok.finish()
             del self._open[sid]
         out.text = text
         out.stop_string = detok.stop_reason or ""
+        if out.stop_string:
+            out.num_tokens = used
         return out
