@@ -110,10 +110,10 @@ def test_a_feed_of_several_tokens_ends_at_the_one_completing_a_stop_string(token
     string, so the router drops the rest; feeds without a match leave it 0."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP"])
-    for ends, token in enumerate(ids):  # ends: the index of the token completing "STOP"
-        detok.add_tokens([token])
-        if detok.stop_reason:
-            break
+    ends = -1  # then the index of the token completing "STOP"
+    while not detok.stop_reason:
+        ends += 1
+        detok.add_tokens([ids[ends]])
     assert ends + 3 < len(ids)  # tokens follow the one that completes "STOP"
     start = max(0, ends - 2)
     feeds = [ids[:start], ids[start:]]  # the second feed: two before, the end, and more after
