@@ -164,6 +164,8 @@ def test_picked_ports_are_free_distinct_and_below_the_ephemeral_range():
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+    # a later call never hands out a port again (its child may not have bound it yet)
+    assert not set(pick_free_ports(40)) & set(ports)
 
 
 def test_busy_public_port_is_reported_before_anything_starts(tmp_path):
@@ -252,6 +254,7 @@ def test_run_exits_1_when_the_fleet_does_not_start(tmp_path, capsys):
         ["up", "--prefill-workers", "2"],
         ["up", "--routing-policy", "random"],
         ["up", "--port", "x"],
+        ["up", "--tp-join", "127.0.0.1:29500", "--tp-rank", "1"],  # a worker's own flags
     ],
 )
 def test_up_rejects_bad_arguments_with_status_2(argv, capsys):

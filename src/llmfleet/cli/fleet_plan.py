@@ -185,17 +185,25 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_PORT_RNG = random.SystemRandom()  # not the global generator: tests seed that one
+_handed_out: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free right now (held open together so none repeats).
+    """`count` distinct ports free right now (held open together so none repeats), none of
+    them handed out by an earlier call of this process (its child may not have bound it yet).
 
     A child binds its port a little later, so the ports come from below the ephemeral range
     where the kernel can: there no outgoing connection in the meantime (the fleet's own
     services connecting to each other) can take one as its local port."""
     lo, _ = _ephemeral_range()
     socks: list[socket.socket] = []
+    recent = set(_handed_out)
     try:
         if lo > 10000 + 4 * count:
-            for port in random.sample(range(10000, lo), min(lo - 10000, 64 * count)):
+            for port in _PORT_RNG.sample(range(10000, lo), min(lo - 10000, 64 * count)):
+                if port in recent:
+                    continue
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 try:
                     s.bind((host, port))
@@ -204,12 +212,17 @@ def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
                     continue
                 socks.append(s)
                 if len(socks) == count:
-                    return [s.getsockname()[1] for s in socks]
+                    break
         while len(socks) < count:  # the kernel's choice
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
+            if s.getsockname()[1] in recent:
+                s.close()
+                continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        _handed_out.extend(ports)
+        return ports
     finally:
         for s in socks:
             s.close()
