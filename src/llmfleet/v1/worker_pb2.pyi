@@ -55,7 +55,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "load", "prefix_cache_queries", "prefix_cache_hits", "kvstore_blocks_fetched", "kvstore_blocks_stored", "kvstore_view_blocks", "kvstore_lookups_skipped", "kvstore_blocks_dropped", "kv_pushed_bytes", "kv_push_us", "kv_pushes_gpu", "kv_pushes_host")
+    __slots__ = ("worker_id", "role", "load", "prefix_cache_queries", "prefix_cache_hits", "kvstore_blocks_fetched", "kvstore_blocks_stored", "kvstore_view_blocks", "kvstore_lookups_skipped", "kvstore_blocks_dropped", "kv_pushed_bytes", "kv_push_us", "kv_pushes_gpu", "kv_pushes_host", "spec_decode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class GetWorkerStatsResponse(_message.Message):
     KV_PUSH_US_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_GPU_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_HOST_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     load: _common_pb2.LoadReport
@@ -84,7 +85,26 @@ class GetWorkerStatsResponse(_message.Message):
     kv_push_us: int
     kv_pushes_gpu: int
     kv_pushes_host: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kvstore_blocks_fetched: _Optional[int] = ..., kvstore_blocks_stored: _Optional[int] = ..., kvstore_view_blocks: _Optional[int] = ..., kvstore_lookups_skipped: _Optional[int] = ..., kvstore_blocks_dropped: _Optional[int] = ..., kv_pushed_bytes: _Optional[int] = ..., kv_push_us: _Optional[int] = ..., kv_pushes_gpu: _Optional[int] = ..., kv_pushes_host: _Optional[int] = ...) -> None: ...
+    spec_decode: SpecDecodeStats
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kvstore_blocks_fetched: _Optional[int] = ..., kvstore_blocks_stored: _Optional[int] = ..., kvstore_view_blocks: _Optional[int] = ..., kvstore_lookups_skipped: _Optional[int] = ..., kvstore_blocks_dropped: _Optional[int] = ..., kv_pushed_bytes: _Optional[int] = ..., kv_push_us: _Optional[int] = ..., kv_pushes_gpu: _Optional[int] = ..., kv_pushes_host: _Optional[int] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ...) -> None: ...
+
+class SpecDecodeStats(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "disable_batch_size", "num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    disable_batch_size: int
+    num_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., disable_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ...) -> None: ...
 
 class GetKVSnapshotRequest(_message.Message):
     __slots__ = ()

@@ -108,6 +108,7 @@ async def _messages(request: Request) -> Response:
         "top_k": body.top_k,
         "stop": list(body.stop_sequences or ()),
         "session_id": str((body.metadata or {}).get("user_id") or ""),
+        "speculative": body.speculative,
         **tools.call_kwargs(),
     }
     params = {"stop": "stop_sequences", "chat.messages": "messages", **ac.part_origins(body)}

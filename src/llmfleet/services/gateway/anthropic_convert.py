@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from llmfleet.client.messages import Usage
 from llmfleet.services.gateway.content import anthropic_image
@@ -67,6 +67,9 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format`: a JSON schema for the text
+    # Our extra: speculative decoding for this request (false never drafts; unset: the
+    # worker's default). Anthropic's usage has no details object: draft counts are not shown.
+    speculative: StrictBool | None = None
 
 
 def error_type(status: int) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Body(BaseModel):
@@ -76,7 +76,8 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Speculative decoding for this request: false never drafts; unset: the worker's default.
-    speculative: bool | None = None
+    # A JSON boolean only (not "true" or 1), as on the Responses and Messages endpoints.
+    speculative: StrictBool | None = None
     # Output constraints (at most one): OpenAI's and vLLM's (guided.py).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -105,6 +105,7 @@ def _call(
         "repetition_penalty": body.repetition_penalty,
         "seed": body.seed,
         "ignore_eos": body.ignore_eos,
+        "speculative": body.speculative,
         "session_id": body.user or "",
         **tools.call_kwargs(),
     }

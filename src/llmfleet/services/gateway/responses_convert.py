@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from llmfleet.client.messages import Usage
 from llmfleet.services.gateway.errors import APIError, invalid
@@ -51,6 +51,8 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    # Speculative decoding for this request: false never drafts; unset: the worker's default.
+    speculative: StrictBool | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -219,13 +221,19 @@ def output_messages(output: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def usage(u: Usage | None) -> dict[str, Any] | None:
+    """OpenAI's usage object; with drafted tokens (speculative decoding, docs/fleet.md) their
+    counts in `output_tokens_details`, as chat's `completion_tokens_details` has them."""
     if u is None:
         return None
+    details: dict[str, int] = {"reasoning_tokens": 0}
+    if u.num_draft_tokens:
+        details["num_draft_tokens"] = u.num_draft_tokens
+        details["num_accepted_tokens"] = u.num_accepted_tokens
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": details,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 

@@ -21,6 +21,7 @@ from llmfleet.services.worker.decode_side import DecodeSide
 from llmfleet.services.worker.embed import embed
 from llmfleet.services.worker.prefill_side import Cancelled
 from llmfleet.services.worker.runtime import SERVICE_NAME, WorkerRuntime
+from llmfleet.services.worker.speculation import spec_decode_stats
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.core.errors import LLMFleetError, ValidationError
 from llmfleet.shared.wire.convert import ROLE_TO_PB, images_from_pb, sampling_from_pb
@@ -100,6 +101,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
         if self.decode is not None:
             self.decode.reap()
         load = await loop.call(self._load_report)  # between steps: a consistent view
+        spec_decode = await loop.call(spec_decode_stats, engine)
         stats = engine.block_manager.stats
         resp = worker_pb2.GetWorkerStatsResponse(
             worker_id=self.worker_id,
@@ -112,6 +114,7 @@ class WorkerServer(WorkerRuntime, worker_pb2_grpc.WorkerServicer):
             kvstore_view_blocks=self.kvstore.num_view_blocks if self.kvstore else None,
             kvstore_lookups_skipped=self.kvstore.num_lookups_skipped if self.kvstore else 0,
             kvstore_blocks_dropped=self.kvstore.num_blocks_dropped if self.kvstore else 0,
+            spec_decode=spec_decode,
         )
         if self.prefill is not None:
             pusher = self.prefill.pusher

@@ -20,6 +20,7 @@ from llmfleet.engine.spec_decode import threshold
 from llmfleet.shared.core.config import EngineConfig, WorkerConfig
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.speculative_settings import SpeculativeSettings
+from llmfleet.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,24 @@ class SpecMetrics:
 
 def _k(config: Any) -> int:
     return 0 if config is None else int(config.num_speculative_tokens)
+
+
+def spec_decode_stats(engine: Any) -> worker_pb2.SpecDecodeStats | None:
+    """GetWorkerStats' `spec_decode`: the engine's settings and cumulative counts; None when it
+    does not speculate. Engine thread (between steps: the counts are of whole steps)."""
+    config = engine.config.speculative
+    stats = getattr(engine, "spec_stats", None)
+    if config is None or stats is None:
+        return None
+    return worker_pb2.SpecDecodeStats(
+        method=config.method,
+        num_speculative_tokens=config.num_speculative_tokens,
+        disable_batch_size=config.disable_batch_size or 0,
+        num_steps=stats.num_steps,
+        num_draft_tokens=stats.num_drafted,
+        num_accepted_tokens=stats.num_accepted,
+        num_emitted_tokens=stats.num_emitted,
+    )
 
 
 class DraftCounts:
