@@ -202,3 +202,31 @@ def test_leaderworkerset_groups_workers():
             if "persistentVolumeClaim" in v
         ]
         assert claims and all(c in of_kind(docs, "PersistentVolumeClaim") for c in claims)
+
+
+def test_leaderworkerset_runs_one_tensor_parallel_worker_per_group():
+    """The leader serves and runs rank 0 of $(LWS_GROUP_SIZE) ranks, listening for the others
+    at its tp port; each worker pod joins it there as rank $(LWS_WORKER_INDEX)."""
+    docs = render("gpu-multinode")
+    (lws,) = of_kind(docs, "LeaderWorkerSet").values()
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    args = {}
+    for part in ("leaderTemplate", "workerTemplate"):
+        (worker,) = [c for c in lwt[part]["spec"]["containers"] if c["name"] == "worker"]
+        args[part] = dict(a.split("=", 1) for a in worker["args"])
+    leader, follower = args["leaderTemplate"], args["workerTemplate"]
+    assert leader["--tensor-parallel-size"] == follower["--tensor-parallel-size"]
+    assert leader["--tensor-parallel-size"] == "$(LWS_GROUP_SIZE)"
+    assert leader["--tp-local-ranks"] == "1" and "--router" in leader
+    (port,) = [
+        p["containerPort"]
+        for c in lwt["leaderTemplate"]["spec"]["containers"]
+        for p in c["ports"]
+        if p["name"] == "tp"
+    ]
+    assert leader["--tp-port"] == str(port)
+    assert follower == {
+        "--tp-join": f"$(LWS_LEADER_ADDRESS):{port}",
+        "--tp-rank": "$(LWS_WORKER_INDEX)",
+        "--tensor-parallel-size": "$(LWS_GROUP_SIZE)",
+    }

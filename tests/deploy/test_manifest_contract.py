@@ -42,7 +42,11 @@ from llmfleet.shared.wire import health_probe, tracing
 pytestmark = pytest.mark.timeout(120)
 
 PROBE = ["python", "-m", "llmfleet.shared.wire.health_probe"]
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 PLACEHOLDERS = {"status.podIP": "10.1.2.3", "metadata.name": "llmfleet-worker-abc12"}
+# What the LWS controller adds to the environment of a LeaderWorkerSet's pods (its worker pods:
+# index 1 and up).
+LWS_ENV = {"LWS_LEADER_ADDRESS": "lws-leader-0.lws", "LWS_GROUP_SIZE": "2"}
 
 
 @dataclass
@@ -75,12 +79,17 @@ def opened(service: str, parsed: tuple[Any, ...]) -> Opened:
         out.other |= {cfg.epp_port} - {None}
         out.grace_s = cfg.grace_s
     else:
+        if service == "worker" and parsed[1].tp_join is not None:
+            return Opened()  # a rank joining another pod's worker: it serves nothing
         names = {"tokenizer": TOKENIZER, "kvstore": KVSTORE, "worker": WORKER}[service]
         out.grpc[cfg.port] = ({"", names}, tls)
         if service == "kvstore":
             out.other |= {cfg.data_port, cfg.events_port}
         if service == "worker":
             out.grace_s = parsed[2]
+            engine = parsed[1]
+            if (engine.tp_local_ranks or engine.tensor_parallel_size) < engine.tensor_parallel_size:
+                out.other.add(engine.tp_port)  # the other ranks join its group there
     return out
 
 
@@ -109,12 +118,17 @@ def expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
 
 
-def start(docs, container, monkeypatch, capsys) -> tuple[str, Opened, dict[str, str]]:
-    """Parse the container's command line as the service would; what it opens."""
+def start(
+    docs, container, monkeypatch, capsys, lws_index: int | None = None
+) -> tuple[str, Opened, dict[str, str]]:
+    """Parse the container's command line as the service would (a LeaderWorkerSet's pod of
+    index `lws_index`: with the variables LWS adds); what it opens."""
     command = container["command"]
     assert len(command) == 2, f"command {command}: flags go in args"
     service = command[1]
     env = container_env(docs, container)
+    if lws_index is not None:
+        env |= {**LWS_ENV, "LWS_WORKER_INDEX": str(lws_index)}
     args = [expand(a, env) for a in container.get("args", [])]
     with monkeypatch.context() as m:
         for key in [k for k in os.environ if k.startswith(("LLMFLEET_", "OTEL_"))]:
@@ -185,16 +199,23 @@ def test_containers_start_with_probes_on_ports_they_open(name, monkeypatch, caps
             assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
             if c.get("command", [None])[0] != "llmfleet":
                 continue
-            service, opens, env = start(docs, c, monkeypatch, capsys)
+            lws_index = None
+            if tpl.owner.startswith("LeaderWorkerSet/"):
+                lws_index = 0 if tpl.owner.endswith("/leaderTemplate") else 1
+            service, opens, env = start(docs, c, monkeypatch, capsys, lws_index)
             seen.add(service)
             where = f"{name} {tpl.owner}/{c['name']}"
             assert tpl.labels["app.kubernetes.io/component"] in (service, "worker")
+            if service == "worker" and not opens.ports:  # a rank joining the leader's group
+                assert lws_index, f"{where}: only a LeaderWorkerSet's worker pods join a group"
+                assert "ports" not in c and not set(PROBES) & set(c), where
+                continue
             if service == "worker":
                 role = dict(a.split("=", 1) for a in c["args"] if "=" in a)["--role"]
                 assert tpl.labels["llmfleet.io/role"] == role
             declared = {p["containerPort"] for p in c["ports"]}
             assert declared == opens.ports, f"{where}: declares {declared}, opens {opens.ports}"
-            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            for kind in PROBES:
                 check_probe(kind, c[kind], opens, where)
             assert spec["terminationGracePeriodSeconds"] > opens.grace_s, where
             assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}

@@ -1,10 +1,14 @@
 """`llmfleet up --tensor-parallel-size 2` on the CPU: the bundled model (9 query, 3 KV heads,
 split 2 + 1 over two gloo ranks) served with the greedy tokens of the in-process TP=1 engine,
 its prompt KV put into the kvstore (gathered from both ranks); the worker's follower rank
-lives as long as the worker does."""
+lives as long as the worker does. A worker whose second rank joins it from a separate
+`llmfleet worker --tp-join` process (as from another machine) serves TP=1's tokens too."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +33,46 @@ def followers_of(pid: int) -> list[int]:
         if b"llmfleet.engine.tp_follower" in argv and str(pid).encode() in argv:
             found.append(int(proc.name))
     return found
+
+
+def test_a_worker_whose_rank_1_joins_from_another_process_serves_the_tp1_tokens(
+    make_checkpoint_module, tmp_path
+):
+    path = str(make_checkpoint_module("llama"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "rank1.log"
+    argv = [sys.executable, "-m", "llmfleet.services.worker", "--tp-join", f"127.0.0.1:{port}"]
+    argv += ["--tp-rank", "1", "--tensor-parallel-size", "2", "--num-threads", "1"]
+    with log.open("w") as err:
+        joiner = subprocess.Popen(argv, stderr=err)  # it waits for the leader
+    spec = FleetSpec(
+        port=0,
+        model=path,
+        engine={"tensor_parallel_size": 2, "tp_local_ranks": 1, "tp_port": port},
+        extra_args={"worker": WORKER_ARGS},
+        startup_timeout_s=120,
+    )
+    try:
+        g = torch.Generator().manual_seed(1)
+        ps = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 21)]
+        ref = reference_tokens(
+            path, ps, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        )
+        with Fleet(spec) as f:
+            [worker] = f.workers
+            assert worker.proc is not None and followers_of(worker.proc.pid) == []
+            client = GenerationClient(f.endpoint)
+            for i, p in enumerate(ps):
+                res = client.generate(token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True)
+                assert res.completions[0].token_ids == ref[i][0], i
+            assert joiner.poll() is None
+        assert joiner.wait(timeout=15) == 0, log.read_text()  # it left with its leader
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+            joiner.wait()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from llmfleet.cli.services import SERVICES
 from llmfleet.services.tokenizer.flags import add_media_flags
 from llmfleet.shared.core.api_keys import add_api_key_flag
 from llmfleet.shared.core.config import ROUTING_POLICIES
-from llmfleet.shared.core.engine_flags import add_engine_flags
+from llmfleet.shared.core.engine_flags import TP_GROUP_FLAGS, add_engine_flags
 
 _GENERATE_EPILOG = """\
 output: the completion's text and a newline. With --n N > 1, each completion is preceded by a
@@ -134,7 +134,7 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     engine = p.add_argument_group("the workers' engine (see python -m llmfleet.services.worker)")
-    add_engine_flags(engine, skip=ENGINE_FLAGS)
+    add_engine_flags(engine, skip=(*ENGINE_FLAGS, *TP_GROUP_FLAGS))
     add_media_flags(p.add_argument_group("images, for a vision-language model (the tokenizer's)"))
 
 

@@ -23,7 +23,7 @@ from llmfleet.cli.generate import ENGINE_FLAGS, remote_chat
 from llmfleet.cli.launcher import Fleet, write_line
 from llmfleet.services.tokenizer.flags import media_argv
 from llmfleet.shared.core.config import ENV_PREFIX, AuthConfig, EngineConfig, from_env
-from llmfleet.shared.core.engine_flags import NESTED
+from llmfleet.shared.core.engine_flags import NESTED, TP_GROUP_FLAGS
 from llmfleet.shared.core.errors import ValidationError
 from llmfleet.shared.core.speculative_settings import SpeculativeSettings
 
@@ -32,7 +32,7 @@ from llmfleet.shared.core.speculative_settings import SpeculativeSettings
 ENGINE_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(EngineConfig)
-    if f.name not in ENGINE_FLAGS and f.name not in NESTED
+    if f.name not in (*ENGINE_FLAGS, *NESTED, *TP_GROUP_FLAGS)
 )
 SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeSettings))
 

@@ -36,12 +36,10 @@ from llmfleet.engine import flops
 from llmfleet.engine.async_scheduling import DecodeChain, InFlight
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.flops import ModelShape, StepCost
-from llmfleet.engine.forward_pass import forward_pass, load_for, prepare_device
+from llmfleet.engine.forward_pass import forward_pass, kv_cache_blocks, load_for, prepare_device
 from llmfleet.engine.intake import RequestIntake
 from llmfleet.engine.kv_handoff import KVHandoff
-from llmfleet.engine.memory import num_kv_blocks
 from llmfleet.engine.mm_inputs import MultimodalInputs
-from llmfleet.engine.model_runner import kv_bytes_per_block
 from llmfleet.engine.pooling import Pooler
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
 from llmfleet.engine.sampler import SamplingRow
@@ -77,8 +75,7 @@ class LLMEngine:
         # The proposer first: a draft model's weights and cache count as held when the
         # engine's own KV cache is sized from what is left (spec_decode/draft_kv.py).
         proposer = make_proposer(config.speculative, loaded, config) if config.speculative else None
-        block_bytes = kv_bytes_per_block(self.spec, config.block_size, config.torch_dtype)
-        num_blocks = num_kv_blocks(config, self.model_shape, self.device, block_bytes)
+        num_blocks = kv_cache_blocks(config, loaded, self.model_shape, self.device)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

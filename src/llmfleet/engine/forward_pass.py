@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from llmfleet.engine.block_manager import BlockManager
+from llmfleet.engine.flops import ModelShape
+from llmfleet.engine.memory import num_kv_blocks
 from llmfleet.engine.mm_inputs import MultimodalInputs
-from llmfleet.engine.model_runner import ModelRunner
+from llmfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 from llmfleet.engine.sampler import Sampler
 from llmfleet.engine.simulated import SimulatedRunner, SimulatedSampler
 from llmfleet.engine.tp_ranks import Ranks, TPLoadedModel
@@ -77,6 +79,19 @@ def load_shard(config: EngineConfig, tp: TensorParallel | None) -> LoadedModel:
         tp=tp,
         load_format=config.load_format,
     )
+
+
+def kv_cache_blocks(
+    config: EngineConfig, loaded: LoadedModel, shape: ModelShape | None, device: torch.device
+) -> int:
+    """The KV cache's block count for `loaded` on `device` (memory.py; `config` resolved).
+    Tensor parallelism: every rank allocates as many blocks (each of its own KV heads), so
+    each rank counts what its memory holds and the group takes the smallest count."""
+    block_bytes = kv_bytes_per_block(loaded.spec, config.block_size, config.torch_dtype)
+    own = num_kv_blocks(config, shape, device, block_bytes)
+    if isinstance(loaded, TPLoadedModel):
+        return loaded.ranks.num_blocks(own)
+    return own
 
 
 def forward_pass(

@@ -1,11 +1,14 @@
 """A follower rank of a tensor-parallel worker: `python -m llmfleet.engine.tp_follower`, started
-by rank 0 (tp_ranks.py), never by hand.
+by rank 0 (tp_ranks.py), never by hand; or, on another machine, `llmfleet worker --tp-join
+HOST:PORT --tp-rank R` (`join_leader`), which takes the leader's config and watches that the
+leader's rendezvous store is still there.
 
-It joins the group, loads its shard of the model, allocates its KV cache (INIT: as many blocks
-as rank 0's) and then runs every op rank 0 sends (tp_step.py) until SHUTDOWN: the same forward
-pass with the same attention metadata (the logits are rank 0's to sample), its heads of a KV
-read or write. It exits 0 on SHUTDOWN and non-zero when an op fails, rank 0's connection
-closes or rank 0's process is gone.
+It joins the group, loads its shard of the model, tells rank 0 how many KV blocks its own memory
+holds (SIZE: the group takes the smallest count), allocates its KV cache (INIT) and then runs
+every op rank 0 sends (tp_step.py) until SHUTDOWN: the same forward pass with the same attention
+metadata (the logits are rank 0's to sample), its heads of a KV read or write. On SHUTDOWN it
+leaves the group together with rank 0 (tp_ranks.py) and exits 0; it exits non-zero when an op
+fails, rank 0's connection closes or rank 0's process is gone.
 """
 
 from __future__ import annotations
@@ -13,21 +16,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from llmfleet.engine import flops
 from llmfleet.engine.block_manager import BlockManager
-from llmfleet.engine.forward_pass import load_shard
+from llmfleet.engine.forward_pass import kv_cache_blocks, load_shard
 from llmfleet.engine.model_runner import ModelRunner
-from llmfleet.engine.tp_ranks import GROUP_TIMEOUT, join_group, rank_device
+from llmfleet.engine.tp_ranks import (
+    CONFIG_KEY,
+    GROUP_TIMEOUT,
+    JOIN_TIMEOUT_S,
+    config_from_json,
+    join_group,
+    left_key,
+    rank_device,
+)
 from llmfleet.engine.tp_runner import release_graphs
 from llmfleet.engine.tp_step import (
     CAPTURE,
@@ -35,6 +47,7 @@ from llmfleet.engine.tp_step import (
     INIT,
     READ,
     SHUTDOWN,
+    SIZE,
     STEP,
     WRITE,
     DecodeInputs,
@@ -46,6 +59,8 @@ from llmfleet.engine.tp_step import (
 from llmfleet.shared.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = timedelta(seconds=JOIN_TIMEOUT_S)  # the leader's store is reached within this
 
 
 @torch.inference_mode()
@@ -113,31 +128,119 @@ def main(argv: list[str] | None = None) -> int:
     )
     watch_parent(args.parent)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
-    base = EngineConfig(**json.loads(args.config))
+    base = config_from_json(args.config)
     device = rank_device(base.device, args.rank)
     config = dataclasses.replace(base, device=device).resolved()
+    store = dist.TCPStore("127.0.0.1", args.port, args.size, is_master=False, timeout=GROUP_TIMEOUT)
+    return run(store, args.rank, config)
+
+
+def join_leader(own: EngineConfig) -> int:
+    """Rank `own.tp_rank` of the group whose rank 0 listens at `own.tp_join` (another machine's
+    worker, `tp_local_ranks` < N): the leader's config on this process's device and memory
+    (`own`'s device, threads and KV cache budget). Exit status: 0 after SHUTDOWN, 1 when the
+    leader cannot be reached or goes away, 2 when the group's size is not `own`'s."""
+    if own.tp_join is None or own.tp_rank is None:
+        raise ValueError("joining a tensor-parallel group needs tp_join and tp_rank")
+    host, _, port = own.tp_join.rpartition(":")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        store = dist.TCPStore(
+            host, int(port), own.tensor_parallel_size, is_master=False, timeout=JOIN_TIMEOUT
+        )
+        leader = config_from_json(store.get(CONFIG_KEY).decode())
+    except (RuntimeError, OSError) as e:  # (torch's DistNetworkError is a RuntimeError)
+        logger.error("tensor-parallel leader at %s not reached: %s", own.tp_join, e)
+        return 1
+    if leader.tensor_parallel_size != own.tensor_parallel_size:
+        logger.error(
+            "the leader at %s runs %d ranks, this process was given --tensor-parallel-size %d",
+            own.tp_join,
+            leader.tensor_parallel_size,
+            own.tensor_parallel_size,
+        )
+        return 2
+    config = dataclasses.replace(
+        leader,
+        device=rank_device(own.device, 0),
+        num_threads=own.num_threads,
+        kv_cache_bytes=own.kv_cache_bytes,
+        gpu_memory_utilization=own.gpu_memory_utilization,
+        tp_local_ranks=None,
+        tp_port=0,
+        tp_join=own.tp_join,
+        tp_rank=own.tp_rank,
+    ).resolved()
+    leaving = threading.Event()
+    watch_leader(host, int(port), own.tensor_parallel_size, leaving)
+    try:
+        return run(store, own.tp_rank, config, leaving)
+    except Exception as e:  # gloo: the leader's connection closed mid-op
+        if leaving.is_set():
+            raise
+        logger.error("tensor-parallel leader at %s went away: %s", own.tp_join, e)
+        return 1
+
+
+def watch_leader(host: str, port: int, size: int, leaving: threading.Event) -> None:
+    """Exit 1 at once when the leader's rendezvous store is gone (NCCL ops never notice),
+    unless this rank is leaving the group after SHUTDOWN."""
+
+    def watch() -> None:
+        store = None
+        while not leaving.wait(1.0):
+            try:
+                if store is None:
+                    store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
+                store.check([CONFIG_KEY])
+            except Exception as e:
+                if leaving.is_set():
+                    return
+                logger.error("tensor-parallel leader at %s:%d went away: %s", host, port, e)
+                logging.shutdown()
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="leader-watch").start()
+
+
+def run(
+    store: dist.Store, rank: int, config: EngineConfig, leaving: threading.Event | None = None
+) -> int:
+    """Join the group as `rank`, load this rank's shard and run rank 0's ops until SHUTDOWN
+    (`config` resolved, its device this rank's); `leaving` is set once SHUTDOWN came."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    store = dist.TCPStore("127.0.0.1", args.port, args.size, is_master=False, timeout=GROUP_TIMEOUT)
-    store.set(f"joined/{args.rank}", "1")
-    tp = join_group(store, args.rank, args.size, device)
+    device = torch.device(config.device)
+    store.set(f"joined/{rank}", "1")
+    tp = join_group(store, rank, config.tensor_parallel_size, config.device)
     loaded = load_shard(config, tp)
-    channel = StepChannel(tp.group, torch.device(device))
+    channel = StepChannel(tp.group, device)
     op, counts, _ = channel.recv()
+    if op == SIZE:  # the KV blocks this rank's memory holds; every rank allocates the fewest
+        shape = flops.model_shape(loaded.model, config.torch_dtype.itemsize)
+        channel.min_over(kv_cache_blocks(config, loaded, shape, device))
+        op, counts, _ = channel.recv()
     if op == SHUTDOWN:  # rank 0 stopped before its engine started
-        dist.destroy_process_group()
+        leave(store, rank, leaving)
         return 0
     if op != INIT:
         raise RuntimeError(f"expected INIT first, got op {op}")
     blocks = BlockManager(counts[0], config.block_size, enable_prefix_caching=False)
-    runner = ModelRunner(
-        loaded.model, loaded.spec, blocks, dtype=config.torch_dtype, device=torch.device(device)
-    )
-    heads = HeadMap.exchange(loaded.spec, args.rank, tp.group, torch.device(device))
+    runner = ModelRunner(loaded.model, loaded.spec, blocks, dtype=config.torch_dtype, device=device)
+    heads = HeadMap.exchange(loaded.spec, rank, tp.group, device)
     follow(runner, channel, heads)
     release_graphs(runner)  # before the group: see TPModelRunner.close
-    dist.destroy_process_group()
+    leave(store, rank, leaving)
     return 0
+
+
+def leave(store: dist.Store, rank: int, leaving: threading.Event | None) -> None:
+    """Leave the group with rank 0, which destroys its own meanwhile (tp_ranks.py: NCCL's
+    teardown is collective, so neither side may wait for the other to exit first)."""
+    if leaving is not None:
+        leaving.set()  # rank 0 may be gone before this process is
+    store.set(left_key(rank), "1")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

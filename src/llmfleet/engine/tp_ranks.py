@@ -4,11 +4,23 @@
                                # and joins them in one process group: gloo on the CPU, NCCL on
                                # CUDA (rank r on cuda:r, counted from the configured device)
     load this rank's shard with `ranks.tp`; the engine's TPModelRunner drives the followers
-    ranks.close()              # SHUTDOWN; a follower that does not exit is killed
+    ranks.num_blocks(n)        # the KV blocks every rank holds: the smallest rank's count
+    ranks.close()              # SHUTDOWN, all ranks leave the group together; a follower that
+                               # does not exit is killed
 
-Rendezvous: rank 0 hosts a TCPStore on a free 127.0.0.1 port; each follower connects and says
-it is there before all join the group. Meanwhile rank 0 watches the followers: one that exits
-fails the start at once, not after a timeout.
+Rendezvous: rank 0 hosts a TCPStore on a free port; each follower connects (at 127.0.0.1) and
+says it is there before all join the group. Meanwhile rank 0 watches the followers: one that
+exits fails the start at once, not after a timeout.
+
+Across machines (`tp_local_ranks` L < N): rank 0 starts ranks 1..L-1 only and hosts the store
+at `tp_port` (every interface), with its config under `CONFIG_KEY`; ranks L..N-1 are
+`llmfleet worker --tp-join HOST:PORT --tp-rank R` processes on other machines
+(`tp_follower.join_leader`), each on its own device, which rank 0 waits for as for its own.
+
+Closing: NCCL tears a communicator down collectively (ncclCommDestroy waits for the node's other
+ranks to call it), so rank 0 must not wait for the followers to exit before it leaves the group
+itself. After SHUTDOWN each follower sets `left/<rank>` in the store and destroys its group;
+rank 0 waits for every `left` key, destroys its own, and only then waits for the exits.
 
 Failures: a follower that died fails rank 0's next op (`check`) or the op in progress (gloo:
 its connection closes), so the worker's forward pass fails loudly. Followers exit when rank 0
@@ -32,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
-from llmfleet.engine.tp_step import SHUTDOWN, StepChannel
+from llmfleet.engine.tp_step import SHUTDOWN, SIZE, StepChannel
 from llmfleet.models.loader import LoadedModel
 from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.config import EngineConfig
@@ -43,6 +55,24 @@ logger = logging.getLogger(__name__)
 # Followers wait in a broadcast for rank 0's next op for as long as the worker is idle.
 GROUP_TIMEOUT = timedelta(days=365)
 JOIN_TIMEOUT_S = 300.0  # followers start (import torch) and reach the store within this
+LEAVE_TIMEOUT_S = 10.0  # followers leave the group and exit within this of SHUTDOWN
+CONFIG_KEY = "config"  # rank 0's EngineConfig as JSON, for the ranks that join it
+
+
+def config_json(config: EngineConfig) -> str:
+    """`config` for the followers' command line and the store (`config_from_json`)."""
+    return json.dumps(dataclasses.asdict(config))
+
+
+def config_from_json(text: str) -> EngineConfig:
+    """The EngineConfig `config_json` wrote. Followers never draft (rank 0's proposer drafts
+    and its steps carry the drafts as rows), so speculation is dropped."""
+    return EngineConfig(**{**json.loads(text), "speculative": None})
+
+
+def left_key(rank: int) -> str:
+    """The store key a follower sets once it has left its loop and is leaving the group."""
+    return f"left/{rank}"
 
 
 class RankFailed(LLMFleetError):
@@ -78,13 +108,22 @@ class Ranks:
         size = config.tensor_parallel_size
         if dist.is_initialized():
             raise RankFailed("this process already runs a tensor-parallel group: close it first")
+        local = config.tp_local_ranks or size
+        port = config.tp_port if local < size else 0
         store = dist.TCPStore(
-            "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
+            "127.0.0.1", port, size, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
         )
+        as_json = config_json(config)
+        store.set(CONFIG_KEY, as_json)
         argv = [sys.executable, "-m", "llmfleet.engine.tp_follower"]
         argv += ["--size", str(size), "--port", str(store.port), "--parent", str(os.getpid())]
-        argv += ["--config", json.dumps(dataclasses.asdict(config))]
-        self.procs = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(1, size)]
+        argv += ["--config", as_json]
+        self.procs = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(1, local)]
+        self.size = size
+        if local < size:
+            logger.info(
+                "tensor parallel: ranks %d..%d join at port %d", local, size - 1, store.port
+            )
         self._closed = False
         # An op was sent and rank 0's part of it has not finished (`done`): after a failure
         # the followers may be inside it, so `close` kills them instead of sending SHUTDOWN.
@@ -106,7 +145,10 @@ class Ranks:
         while not store.check(keys):
             self.check()
             if time.monotonic() > deadline:
-                raise RankFailed(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT_S:.0f} s")
+                missing = [k for k in keys if not store.check([k])]
+                raise RankFailed(
+                    f"tensor-parallel ranks did not join in {JOIN_TIMEOUT_S:.0f} s: {missing}"
+                )
             time.sleep(0.05)
 
     def send(self, op: int, counts: list[int], body: list[int] | None = None) -> None:
@@ -118,6 +160,16 @@ class Ranks:
     def done(self) -> None:
         self.pending = False
 
+    def num_blocks(self, own: int) -> int:
+        """The KV cache's block count for every rank: the smallest of each rank's own count
+        (`own` is rank 0's), since every rank allocates as many blocks, each of its heads."""
+        self.send(SIZE, [own])
+        agreed = self.channel.min_over(own)
+        self.done()
+        if agreed < own:
+            logger.info("KV cache: %d blocks, a follower rank's memory holds no more", agreed)
+        return agreed
+
     def check(self) -> None:
         """Raise RankFailed if a follower has exited."""
         for r, proc in enumerate(self.procs, 1):
@@ -126,28 +178,47 @@ class Ranks:
                 raise RankFailed(f"tensor-parallel rank {r} exited with status {code}")
 
     def close(self) -> None:
-        """Stop the followers: SHUTDOWN when they wait for an op and all live, else (a failed
-        op may have left them inside it) kill them; then leave the group."""
+        """Stop the followers: SHUTDOWN when they wait for an op and all live, then every rank
+        leaves the group together (see the module docstring). Else (a failed op may have left
+        them inside it), or when one does not leave in time, kill them and abort the group."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        left = False
         if not self.pending and all(p.poll() is None for p in self.procs):
             try:
                 self.channel.send(SHUTDOWN, [])
-            except Exception as e:  # a follower died meanwhile: it is reaped below
+                left = self._wait_left()
+            except Exception as e:  # a follower died meanwhile: it is killed below
                 logger.warning("tensor parallel: shutdown not delivered: %s", e)
+        if left:
+            dist.destroy_process_group()  # with the followers' own, which wait for it (NCCL)
+            deadline = time.monotonic() + LEAVE_TIMEOUT_S
             for proc in self.procs:
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     logger.warning("tensor-parallel rank pid %d did not exit: killing", proc.pid)
-        clean = all(p.poll() == 0 for p in self.procs)
+            self._kill()
+            return
         self._kill()
-        if clean:
-            dist.destroy_process_group()
-        else:  # a peer gone mid-op: a graceful NCCL teardown could wait for it forever
-            _abort_process_group()
+        _abort_process_group()  # a graceful NCCL teardown would wait for the killed ranks
+
+    def _wait_left(self) -> bool:
+        """Whether every follower said it left its loop (`left_key`) in time; False at once
+        when one exits first."""
+        keys = [left_key(r) for r in range(1, self.size)]
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S
+        while not self._store.check(keys):
+            if any(p.poll() is not None for p in self.procs):
+                logger.warning("tensor parallel: a follower exited before leaving the group")
+                return False
+            if time.monotonic() > deadline:
+                logger.warning("tensor parallel: followers did not leave in time: killing")
+                return False
+            time.sleep(0.01)
+        return True
 
     def _kill(self) -> None:
         for proc in self.procs:

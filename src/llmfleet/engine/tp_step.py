@@ -7,7 +7,9 @@ body holding the header's counts of ints:
 
     header (HEADER_LEN,):  [op, n0, n1, n2, n3, 0, 0, 0]
 
-    INIT      n0 = num_blocks (the KV cache's size)         no body; once, before any other
+    SIZE      n0 = the KV blocks rank 0's memory holds      no body; once, first: every rank
+                                 then joins an all-reduce MIN of its own count (`min_over`)
+    INIT      n0 = num_blocks (the KV cache's size)         no body; once, after SIZE
     STEP      n0..n3 = num_tokens, num_seqs, num_table_ids, num_sample_tokens
               body: input_ids (n0) | positions (n0) | query_lens (n1) | seq_lens (n1)
                     | table_lens (n1) | block tables, concatenated (n2) | sample_tokens (n3)
@@ -20,7 +22,7 @@ body holding the header's counts of ints:
               broadcast of rank 0's device tensor (async scheduling: not on the host yet)
               body: positions (n0) | table_lens (n0) | block tables (n1) | token_ids (n0,
                     only when n2 = 0); every rank replays its graph of the same padded size
-    SHUTDOWN                     no body: the followers leave their loop
+    SHUTDOWN                     no body: the followers leave their loop, then the group
 
 Plain tensors, no pickling: on each rank's CUDA device under NCCL, on the CPU under gloo.
 
@@ -42,7 +44,7 @@ from llmfleet.engine.model_runner import StepInputs
 from llmfleet.models.loader import ModelSpec
 
 HEADER_LEN = 8
-SHUTDOWN, INIT, STEP, READ, WRITE, CAPTURE, DECODE = range(7)
+SHUTDOWN, INIT, STEP, READ, WRITE, CAPTURE, DECODE, SIZE = range(8)
 BODY_OPS = (STEP, READ, WRITE, DECODE)
 
 
@@ -79,6 +81,12 @@ class StepChannel:
 
     def broadcast(self, t: torch.Tensor) -> None:
         dist.broadcast(t, src=0, group=self.group)
+
+    def min_over(self, value: int) -> int:
+        """The smallest of every rank's `value` (a collective: all ranks call it)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
 
 
 def encode_step(batch: StepInputs) -> tuple[list[int], list[int]]:

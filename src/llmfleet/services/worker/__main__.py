@@ -5,6 +5,11 @@ Flags override `LLMFLEET_WORKER_*` (service) and `LLMFLEET_*` (engine) environme
 requests finish within the grace period (aborting the rest) and exits 0. Exit status: 1 when the
 worker cannot start or its forward pass failed (its requests handed back to the router), 2 on a
 bad flag or configuration value (with usage).
+
+With `--tp-join HOST:PORT --tp-rank R` the process is no worker but rank R of the tensor-parallel
+group of the worker at HOST:PORT (its `--tp-port`) on another machine: it loads its shard and
+runs the leader's steps, serves nothing and never registers; it exits 0 when the leader closes
+the group, 1 when the leader cannot be reached or goes away.
 """
 
 from __future__ import annotations
@@ -86,7 +91,25 @@ SERVICE = ServiceMain(
     returns_server=True,
     usage_on_bad_config=True,
 )
-main = SERVICE.main
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run the worker (`SERVICE.main`), or with --tp-join one rank of another worker's group."""
+    _, engine, _ = SERVICE.parse(argv, prog)
+    if engine.tp_join is None:
+        return SERVICE.main(argv, prog)
+    import logging
+
+    from llmfleet.engine.tp_follower import join_leader  # (imports torch)
+
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s tp-rank-{engine.tp_rank} %(name)s: %(message)s",
+    )
+    return join_leader(engine)
+
+
 build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
 parse_config = SERVICE.parse  # (WorkerConfig, EngineConfig, grace_s), for tests
 

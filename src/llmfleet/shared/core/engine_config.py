@@ -51,6 +51,14 @@ class EngineConfig:
     # others (processes it starts on this machine, device cuda:rank on CUDA) run every step's
     # forward pass with it (engine/tp_runner.py).
     tensor_parallel_size: int = 1
+    # Tensor parallelism across machines (engine/tp_ranks.py). The leader runs ranks
+    # 0..tp_local_ranks-1 itself (None: all) and the others join it from other machines at
+    # its rendezvous port `tp_port`. A joining process (`tp_join` = the leader's HOST:PORT)
+    # runs rank `tp_rank` only: the leader's model and settings on its own device and memory.
+    tp_local_ranks: int | None = None
+    tp_port: int = 0
+    tp_join: str | None = None
+    tp_rank: int | None = None
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
     quantization: str | None = None
@@ -124,11 +132,31 @@ class EngineConfig:
             )
         if self.simulate and self.tensor_parallel_size > 1:
             raise ValidationError("tensor_parallel_size", "a simulated model runs on one rank")
+        self._check_tp_group()
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 0:
             raise ValidationError(
                 "cuda_graph_max_batch_size",
                 f"must be >= 0 (0 disables CUDA graphs), got {self.cuda_graph_max_batch_size}",
             )
+
+    def _check_tp_group(self) -> None:
+        size, local = self.tensor_parallel_size, self.tp_local_ranks
+        if local is not None and not 1 <= local <= size:
+            raise ValidationError("tp_local_ranks", f"must be in [1, {size}], got {local}")
+        if not 0 <= self.tp_port <= 65535:
+            raise ValidationError("tp_port", f"must be a port number, got {self.tp_port}")
+        if local is not None and local < size and self.tp_port == 0:
+            raise ValidationError("tp_port", "ranks that join from other machines need a port")
+        if (self.tp_join is None) != (self.tp_rank is None):
+            raise ValidationError("tp_join", "tp_join and tp_rank go together")
+        if self.tp_join is not None:
+            host, _, port = self.tp_join.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValidationError("tp_join", f"must be HOST:PORT, got {self.tp_join}")
+            if size < 2:
+                raise ValidationError("tensor_parallel_size", "a joining rank's group has 2+ ranks")
+            if self.tp_rank is None or not 1 <= self.tp_rank < size:
+                raise ValidationError("tp_rank", f"must be in [1, {size - 1}], got {self.tp_rank}")
 
     def resolved(self) -> EngineConfig:
         """This config with its device's defaults for the sizes left unset (`kv_cache_bytes`
@@ -138,8 +166,9 @@ class EngineConfig:
         seqs = self.max_num_seqs or (256 if gpu else 64)
         graphs = self.cuda_graph_max_batch_size
         threads = self.num_threads
-        if threads is None and not gpu and self.tensor_parallel_size > 1:
-            threads = max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
+        local = 1 if self.tp_join else (self.tp_local_ranks or self.tensor_parallel_size)
+        if threads is None and not gpu and local > 1:
+            threads = max(1, (os.cpu_count() or 1) // local)  # the ranks on this machine
         return dataclasses.replace(
             self,
             num_threads=threads,

@@ -52,7 +52,14 @@ HELP = {
     "async_scheduling": "CUDA graphs: launch each decode step before the previous one's tokens "
     "are read back (default on)",
     "tensor_parallel_size": "split the model over N ranks (processes this worker starts on "
-    "this machine; CUDA: devices cuda:0..N-1) (default 1)",
+    "this machine, but see --tp-local-ranks; CUDA: devices cuda:0..N-1) (default 1)",
+    "tp_local_ranks": "tensor parallelism across machines: ranks this worker runs itself "
+    "(default: all); the others join it with --tp-join",
+    "tp_port": "the port the ranks joining from other machines reach this worker's group at "
+    "(every interface; needed with --tp-local-ranks)",
+    "tp_join": "run one rank of another worker's tensor-parallel group: the leader's HOST:PORT "
+    "(its --tp-port); takes its model and settings, never registers with a router",
+    "tp_rank": "with --tp-join: this process's rank in the group, 1..N-1",
     "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
     "16-bit dtype)",
     "load_format": "auto: the checkpoint's weights; dummy: its config and tokenizer with random "
@@ -67,6 +74,9 @@ HELP = {
 }
 # EngineConfig fields set through flags of their own config (not one flag of the same name).
 NESTED = ("speculative",)
+# A tensor-parallel group spanning machines (a worker's own flags): `llmfleet up` starts every
+# rank on this machine, so it has none of these.
+TP_GROUP_FLAGS = ("tp_local_ranks", "tp_port", "tp_join", "tp_rank")
 _CHOICES = {"quantization": ["fp8"], "load_format": ["auto", "dummy"]}
 
 

@@ -74,12 +74,13 @@ class ServiceMain:
         self.add_flags(p)
         return p
 
-    def parse(self, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
+    def parse(self, argv: Sequence[str] | None = None, prog: str | None = None) -> tuple[Any, ...]:
         """The configs, then the values of `serve_flags`, from `argv` over the environment.
 
-        A bad flag exits with status 2 (argparse); so does a bad configuration value with
-        `usage_on_bad_config`, which otherwise raises `ValidationError`."""
-        parser = self.build_parser()
+        A bad flag exits with status 2 (argparse, its usage naming `prog`); so does a bad
+        configuration value with `usage_on_bad_config`, which otherwise raises
+        `ValidationError`."""
+        parser = self.build_parser(prog)
         flags = vars(parser.parse_args(argv))
         flags.pop("verbose", None)
         return self._configs(parser, flags)
