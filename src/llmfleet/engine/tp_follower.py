@@ -37,6 +37,7 @@ from llmfleet.engine.tp_ranks import (
     JOIN_TIMEOUT_S,
     config_from_json,
     join_group,
+    leave_group,
     left_key,
     rank_device,
 )
@@ -235,12 +236,11 @@ def run(
 
 
 def leave(store: dist.Store, rank: int, leaving: threading.Event | None) -> None:
-    """Leave the group with rank 0, which destroys its own meanwhile (tp_ranks.py: NCCL's
-    teardown is collective, so neither side may wait for the other to exit first)."""
+    """Leave the group with rank 0, which leaves its own meanwhile (tp_ranks.py)."""
     if leaving is not None:
         leaving.set()  # rank 0 may be gone before this process is
     store.set(left_key(rank), "1")
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ at `tp_port` (every interface), with its config under `CONFIG_KEY`; ranks L..N-1
 `llmfleet worker --tp-join HOST:PORT --tp-rank R` processes on other machines
 (`tp_follower.join_leader`), each on its own device, which rank 0 waits for as for its own.
 
-Closing: NCCL tears a communicator down collectively (ncclCommDestroy waits for the node's other
-ranks to call it), so rank 0 must not wait for the followers to exit before it leaves the group
-itself. After SHUTDOWN each follower sets `left/<rank>` in the store and destroys its group;
-rank 0 waits for every `left` key, destroys its own, and only then waits for the exits.
+Closing: after SHUTDOWN each follower sets `left/<rank>` in the store and leaves the group
+(`leave_group`: NCCL's communicator aborted, since a graceful ncclCommDestroy waits on the other
+ranks; gloo's destroyed); rank 0 waits for every `left` key, leaves too, and only then waits for
+the exits. (A follower's graceful destroy used to block until rank 0 killed it.)
 
 Failures: a follower that died fails rank 0's next op (`check`) or the op in progress (gloo:
 its connection closes), so the worker's forward pass fails loudly. Followers exit when rank 0
@@ -68,6 +68,16 @@ def config_from_json(text: str) -> EngineConfig:
     """The EngineConfig `config_json` wrote. Followers never draft (rank 0's proposer drafts
     and its steps carry the drafts as rows), so speculation is dropped."""
     return EngineConfig(**{**json.loads(text), "speculative": None})
+
+
+def leave_group() -> None:
+    """This rank's part of closing the group. NCCL: abort the communicator (ncclCommAbort
+    returns at once; a graceful destroy can wait on the other ranks, and a 2-GPU run with it
+    hung); gloo: destroy it."""
+    if dist.get_backend() == "nccl":
+        _abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def left_key(rank: int) -> str:
@@ -193,7 +203,7 @@ class Ranks:
             except Exception as e:  # a follower died meanwhile: it is killed below
                 logger.warning("tensor parallel: shutdown not delivered: %s", e)
         if left:
-            dist.destroy_process_group()  # with the followers' own, which wait for it (NCCL)
+            leave_group()  # with the followers, each leaving its own
             deadline = time.monotonic() + LEAVE_TIMEOUT_S
             for proc in self.procs:
                 try:
