@@ -67,6 +67,12 @@ def test_add_request_streams_the_engine_tokens(loaded):
             assert resp.num_cached_tokens == 12  # r1's three full prompt blocks
             c0, c1 = await replies.until_finished("r2", n=2)
             assert [c0.tokens, c1.tokens] == [ref2[0], ref2[1]]
+            # A prompt of its own, 48 uncached tokens: a prefill step whose cost stands out of
+            # the decode base however busy the machine (r2 prefilled one token).
+            fresh = prompt(loaded, 48, seed=1)
+            await s.AddRequest(add_request_pb("r3", fresh, GREEDY, replies.endpoint))
+            [c3] = await replies.until_finished("r3")
+            assert c3.tokens == reference_tokens(loaded, fresh, GREEDY)[0]
 
             st = await stats(w)
             assert st.load.num_free_blocks == st.load.num_total_blocks == 64
