@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 import random
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,36 +197,37 @@ def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     A child binds its port a little later, so the ports come from below the ephemeral range
     where the kernel can: there no outgoing connection in the meantime (the fleet's own
     services connecting to each other) can take one as its local port."""
-    lo, _ = _ephemeral_range()
-    socks: list[socket.socket] = []
     recent = set(_handed_out)
+    socks: list[socket.socket] = []
     try:
-        if lo > 10000 + 4 * count:
-            for port in _PORT_RNG.sample(range(10000, lo), min(lo - 10000, 64 * count)):
-                if port in recent:
-                    continue
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    s.close()
-                    continue
-                socks.append(s)
-                if len(socks) == count:
-                    break
-        while len(socks) < count:  # the kernel's choice
+        for port in _port_candidates(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             if s.getsockname()[1] in recent:
                 s.close()
                 continue
             socks.append(s)
+            if len(socks) == count:
+                break
         ports = [s.getsockname()[1] for s in socks]
         _handed_out.extend(ports)
         return ports
     finally:
         for s in socks:
             s.close()
+
+
+def _port_candidates(count: int) -> Iterator[int]:
+    """Random ports below the ephemeral range where it leaves room, then 0 (the kernel's
+    choice) for as long as it takes."""
+    lo, _ = _ephemeral_range()
+    if lo > 10000 + 4 * count:
+        yield from _PORT_RNG.sample(range(10000, lo), min(lo - 10000, 64 * count))
+    yield from itertools.repeat(0)
 
 
 def _port_is_free(host: str, port: int) -> bool:

@@ -35,8 +35,8 @@ from llmfleet.engine.tp_ranks import (
     CONFIG_KEY,
     GROUP_TIMEOUT,
     JOIN_TIMEOUT_S,
-    config_from_json,
     join_group,
+    leader_config,
     leave_group,
     left_key,
     rank_device,
@@ -120,20 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
-    p.add_argument("--config", required=True, help="the worker's EngineConfig as JSON")
     args = p.parse_args(argv)
+    log_as_rank(args.rank)
+    watch_parent(args.parent)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
+    store = dist.TCPStore("127.0.0.1", args.port, args.size, is_master=False, timeout=GROUP_TIMEOUT)
+    base = leader_config(store)
+    config = dataclasses.replace(base, device=rank_device(base.device, args.rank)).resolved()
+    return run(store, args.rank, config)
+
+
+def log_as_rank(rank: int) -> None:
+    """This process's log lines, on stderr, named after its rank."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s tp-rank-{args.rank} %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s",
     )
-    watch_parent(args.parent)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
-    base = config_from_json(args.config)
-    device = rank_device(base.device, args.rank)
-    config = dataclasses.replace(base, device=device).resolved()
-    store = dist.TCPStore("127.0.0.1", args.port, args.size, is_master=False, timeout=GROUP_TIMEOUT)
-    return run(store, args.rank, config)
 
 
 def join_leader(own: EngineConfig) -> int:
@@ -144,12 +147,13 @@ def join_leader(own: EngineConfig) -> int:
     if own.tp_join is None or own.tp_rank is None:
         raise ValueError("joining a tensor-parallel group needs tp_join and tp_rank")
     host, _, port = own.tp_join.rpartition(":")
+    log_as_rank(own.tp_rank)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         store = dist.TCPStore(
             host, int(port), own.tensor_parallel_size, is_master=False, timeout=JOIN_TIMEOUT
         )
-        leader = config_from_json(store.get(CONFIG_KEY).decode())
+        leader = leader_config(store)
     except (RuntimeError, OSError) as e:  # (torch's DistNetworkError is a RuntimeError)
         logger.error("tensor-parallel leader at %s not reached: %s", own.tp_join, e)
         return 1

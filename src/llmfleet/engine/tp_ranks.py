@@ -59,15 +59,10 @@ LEAVE_TIMEOUT_S = 10.0  # followers leave the group and exit within this of SHUT
 CONFIG_KEY = "config"  # rank 0's EngineConfig as JSON, for the ranks that join it
 
 
-def config_json(config: EngineConfig) -> str:
-    """`config` for the followers' command line and the store (`config_from_json`)."""
-    return json.dumps(dataclasses.asdict(config))
-
-
-def config_from_json(text: str) -> EngineConfig:
-    """The EngineConfig `config_json` wrote. Followers never draft (rank 0's proposer drafts
-    and its steps carry the drafts as rows), so speculation is dropped."""
-    return EngineConfig(**{**json.loads(text), "speculative": None})
+def leader_config(store: dist.Store) -> EngineConfig:
+    """Rank 0's EngineConfig, as it put it in the store (`CONFIG_KEY`). Followers never draft
+    (rank 0's proposer drafts and its steps carry the drafts as rows): speculation is dropped."""
+    return EngineConfig(**{**json.loads(store.get(CONFIG_KEY)), "speculative": None})
 
 
 def leave_group() -> None:
@@ -123,11 +118,9 @@ class Ranks:
         store = dist.TCPStore(
             "127.0.0.1", port, size, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
         )
-        as_json = config_json(config)
-        store.set(CONFIG_KEY, as_json)
+        store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(config)))  # `leader_config`
         argv = [sys.executable, "-m", "llmfleet.engine.tp_follower"]
         argv += ["--size", str(size), "--port", str(store.port), "--parent", str(os.getpid())]
-        argv += ["--config", as_json]
         self.procs = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(1, local)]
         self.size = size
         if local < size:

@@ -98,15 +98,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     _, engine, _ = SERVICE.parse(argv, prog)
     if engine.tp_join is None:
         return SERVICE.main(argv, prog)
-    import logging
-
     from llmfleet.engine.tp_follower import join_leader  # (imports torch)
 
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s tp-rank-{engine.tp_rank} %(name)s: %(message)s",
-    )
     return join_leader(engine)
 
 
