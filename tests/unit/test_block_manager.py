@@ -179,3 +179,28 @@ def test_an_import_never_evicts_the_cached_prefix_it_extends():
     bm2.free(b)
     assert [i for i, _ in bm2.import_blocks(chain)] == [3, 4]
     assert bm2.num_cached_prefix(chain) == 5
+
+
+def test_a_cache_of_tens_of_millions_of_blocks_starts_at_once_and_hands_out_every_block():
+    """Never-used blocks are created as the free queue reaches them: construction is O(1)."""
+    bm = BlockManager(50_000_000, BS)
+    assert bm.num_free_blocks == 50_000_000
+    r = req("a", list(range(10)))
+    assert bm.allocate_slots(r, 10) and bm.block_ids("a") == [0, 1, 2]
+    bm.free(r)  # no cached content: back to the front, ahead of the never-used blocks
+    assert bm.num_free_blocks == 50_000_000
+    b = req("b", list(range(100, 114)))
+    assert bm.allocate_slots(b, 14) and sorted(bm.block_ids("b")) == [0, 1, 2, 3]
+    assert len(bm.blocks) == 4  # objects made: those taken
+
+
+def test_fresh_blocks_run_out_in_order_then_the_queue_is_all_objects():
+    q = FreeBlockQueue([KVBlock(9)], fresh=range(3))
+    assert len(q) == 4 and q.ids() == [0, 1, 2, 9]
+    taken = [q.popleft() for _ in range(4)]
+    assert [b.block_id for b in taken] == [0, 1, 2, 9] and len(q) == 0
+    assert [b.block_id for b in q.made] == [0, 1, 2]
+    with pytest.raises(IndexError):
+        q.popleft()
+    q.append(taken[1])
+    assert q.ids() == [1] and q.popleft() is taken[1]

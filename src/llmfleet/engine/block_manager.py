@@ -45,13 +45,24 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with sentinels: O(1) pop, push and remove-from-middle."""
+    """Doubly linked list of free blocks with sentinels: O(1) pop, push and remove-from-middle.
 
-    def __init__(self, blocks: Sequence[KVBlock]) -> None:
+    Blocks never used yet (`fresh`, a range of ids) are not objects until the queue reaches
+    them: one marker node stands for the whole run and yields a new `KVBlock` per pop, so a
+    cache of any size starts in O(1) (a small model on a large GPU has tens of millions of
+    blocks). `made` lists every block created so far, by id (ids come out in order)."""
+
+    def __init__(self, blocks: Sequence[KVBlock] = (), fresh: range = range(0)) -> None:
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.num_free = 0
+        self.made: list[KVBlock] = []
+        self._fresh = fresh
+        self._marker = KVBlock(-2)
+        if fresh:
+            self.append(self._marker)
+            self.num_free += len(fresh) - 1
         for b in blocks:
             self.append(b)
 
@@ -59,7 +70,19 @@ class FreeBlockQueue:
         b = self._head.next
         if b is self._tail or b is None:
             raise IndexError("no free blocks")
+        if b is self._marker:
+            return self._make_fresh()
         self.remove(b)
+        return b
+
+    def _make_fresh(self) -> KVBlock:
+        b = KVBlock(self._fresh[0])
+        self._fresh = self._fresh[1:]
+        self.made.append(b)
+        if self._fresh:
+            self.num_free -= 1
+        else:
+            self.remove(self._marker)
         return b
 
     def append(self, b: KVBlock) -> None:
@@ -90,7 +113,7 @@ class FreeBlockQueue:
     def ids(self) -> list[int]:
         out, b = [], self._head.next
         while b is not None and b is not self._tail:
-            out.append(b.block_id)
+            out.extend(self._fresh if b is self._marker else [b.block_id])
             b = b.next
         return out
 
@@ -108,8 +131,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(fresh=range(num_blocks))
+        self.blocks = self.free_queue.made  # by id: those taken at least once
         self.cached: dict[bytes, KVBlock] = {}
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # The same tables as block ids, kept beside them (a list only grows; `trim` replaces
