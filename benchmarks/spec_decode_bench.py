@@ -6,7 +6,7 @@ batch size where it stops paying.
 
 (a) n-gram (prompt lookup) on the bundled SmolLM2-135M-Instruct: chat prompts asking to
     repeat or edit a given text of several paragraphs, batch 1, greedy: output tokens/s of the
-    decode phase without speculation and with k in {2, 4, 6}, with the acceptance rate
+    decode phase without speculation and with k in {2, 4, 6, 8}, with the acceptance rate
     (accepted / drafted) and the mean accepted length (tokens per draft: 1 + accepted /
     drafts). Target: >= 2x at the best k.
 (b) the Llama-3-8B shape with random weights (load format dummy: a config and a tokenizer,
@@ -94,7 +94,7 @@ class Plan:
 
 
 FULL = Plan(
-    device="cuda", dtype="bfloat16", paragraphs=3, tasks=3, a_ks=(2, 4, 6), a_max_tokens=320,
+    device="cuda", dtype="bfloat16", paragraphs=3, tasks=3, a_ks=(2, 4, 6, 8), a_max_tokens=320,
     b_config_kwargs={}, b_truncated_layers=4, b_ks=(1, 2, 4, 8), b_prompt=128, b_tokens=128,
     c_batches=(1, 2, 4, 8, 16, 24, 32, 48, 64), c_ks=(2, 4), c_tokens=128,
     num_kv_blocks=8192, max_num_seqs=64,

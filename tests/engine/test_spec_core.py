@@ -26,41 +26,66 @@ from llmfleet.shared.core.speculative import SpeculativeConfig
 # ---- prompt lookup --------------------------------------------------------------------------
 
 
-def brute_force_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """The longest suffix n-gram (n_max down to n_min) found ending earlier, its latest
-    occurrence: the tokens after it."""
-    length = len(tokens)
+def longest_match(tokens: list[int], length: int, n_min: int, n_max: int) -> tuple[int, int]:
+    """(e, n): the longest suffix n-gram of tokens[:length] (n_max down to n_min) found ending
+    at an earlier e, its latest occurrence; (-1, 0) when none."""
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n :]
+        suffix = tokens[length - n : length]
         for e in range(length - 1, n - 1, -1):
             if tokens[e - n : e] == suffix:
-                return tokens[e : e + k]
-    return []
+                return e, n
+    return -1, 0
+
+
+def brute_force_lookup(
+    tokens: list[int], k: int, n_min: int, n_max: int, resume: bool = False
+) -> list[int]:
+    """The tokens after the longest suffix match; with `resume`, when that is shorter than 2,
+    after a longer (>= 2) match of the context before the last token."""
+    e, n = longest_match(tokens, len(tokens), n_min, n_max)
+    if resume and n < 2 and n_max >= 2:
+        e2, n2 = longest_match(tokens, len(tokens) - 1, max(n_min, 2), n_max)
+        if n2 > n:
+            return tokens[e2 : e2 + k]
+    return tokens[e : e + k] if n else []
 
 
 def test_ngram_examples():
-    p = NgramProposer(1, 3)
+    p = NgramProposer(1, 3, resume=False)
     assert p.lookup("a", [1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]  # "1 2" matched, then 3 9 1
     assert p.lookup("b", [5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the latest occurrence wins
     # The longest match wins over a later shorter one: "4 5 6" occurred at the start.
     assert p.lookup("c", [4, 5, 6, 1, 9, 6, 2, 4, 5, 6], 2) == [1, 9]
     assert p.lookup("d", [1, 2, 3], 3) == []  # nothing repeats
     assert p.lookup("e", [7, 7], 4) == [7]  # the continuation may run into the suffix itself
-    assert NgramProposer(2, 3).lookup("f", [1, 2, 1], 2) == []  # no 2-gram repeats
+    assert NgramProposer(2, 3, resume=False).lookup("f", [1, 2, 1], 2) == []  # no 2-gram
     assert p.lookup("g", [1, 2, 1], 0) == []
+
+
+def test_ngram_resumes_after_a_token_the_output_inserted():
+    """Copying "a b c d e f" the model wrote "a b ," : only "," matches (in the instruction),
+    so plain lookup drafts what followed that comma; resuming drafts "c d e"."""
+    a, b, c, d, e, f, comma, x = range(8)
+    tokens = [comma, x, a, b, c, d, e, f, a, b, comma]
+    assert NgramProposer(1, 4, resume=False).lookup("r", tokens, 3) == [x, a, b]
+    assert NgramProposer(1, 4).lookup("r", tokens, 3) == [c, d, e]
+    # A 2-token match of the suffix itself is kept: nothing was inserted.
+    assert NgramProposer(1, 4).lookup("s", [a, b, c, x, x, b, c], 2) == [x, x]
 
 
 def test_ngram_matches_brute_force_as_sequences_grow():
     rng = random.Random(0)
-    for trial in range(30):
+    for trial in range(60):
         n_min, n_max = rng.choice([(1, 4), (2, 3), (1, 1), (3, 5)])
-        p = NgramProposer(n_min, n_max, max_candidates=10_000)
+        resume = trial % 2 == 1
+        p = NgramProposer(n_min, n_max, max_candidates=10_000, resume=resume)
         tokens = [rng.randrange(4) for _ in range(3)]
         for _ in range(60):
-            assert p.lookup("r", tokens, 3) == brute_force_lookup(tokens, 3, n_min, n_max), trial
+            want = brute_force_lookup(tokens, 3, n_min, n_max, resume)
+            assert p.lookup("r", tokens, 3) == want, trial
             tokens.extend(rng.randrange(4) for _ in range(rng.randint(1, 4)))
         p.release("r")
-        assert p.lookup("r", tokens, 5) == brute_force_lookup(tokens, 5, n_min, n_max)
+        assert p.lookup("r", tokens, 5) == brute_force_lookup(tokens, 5, n_min, n_max, resume)
 
 
 def test_ngram_lookup_cost_does_not_grow_with_the_context():

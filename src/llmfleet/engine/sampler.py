@@ -141,6 +141,14 @@ def small_tensor(values: Sequence[float] | Sequence[int], device: torch.device) 
     return t.to(device)
 
 
+def select_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """`t[rows]`: a view when `rows` are consecutive (no host-to-device copy, no kernel: a
+    speculating sequence's logits rows usually are), else a gather."""
+    if rows and list(rows) == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0] : rows[0] + len(rows)]
+    return t[small_tensor(rows, t.device)]
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Steps 1-3 of the pipeline (penalties, then min_tokens masking) on `(B, V)` logits.
 

@@ -10,6 +10,14 @@ Cost per step is independent of the sequence's length: each request keeps an ind
 since the last call; a lookup scans at most `max_candidates` of the latest occurrences of the
 suffix's `ngram_min`-gram and extends each match backwards up to `ngram_max` tokens, so it is
 O(max_candidates * ngram_max). (A longer match older than those candidates is not seen.)
+
+Resuming after an inserted token: a model asked to copy or edit a text often adds a token the
+text lacks (a comma, an article), after which no suffix longer than that one token matches and
+the drafts would come from some unrelated occurrence of it. So when the best match is shorter
+than `RESUME_MATCH` tokens, the proposer also matches the context before the last token
+(at least `RESUME_MATCH` long, ending before it) and, when that match is longer, drafts what
+followed the context there: the text as if the token had not been inserted. On the bench's
+repeat and edit prompts this keeps about 5% more tokens a step (spec_decode_bench.py).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from collections.abc import Sequence
 
 from llmfleet.engine.request import Request
 from llmfleet.engine.spec_decode.proposer import Proposer
+
+RESUME_MATCH = 2  # below this match length, also try the context before the last token
 
 
 class _Index:
@@ -31,12 +41,15 @@ class _Index:
 
 
 class NgramProposer(Proposer):
-    def __init__(self, ngram_min: int, ngram_max: int, *, max_candidates: int = 64) -> None:
+    def __init__(
+        self, ngram_min: int, ngram_max: int, *, max_candidates: int = 64, resume: bool = True
+    ) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.max_candidates = max_candidates
+        self.resume = resume and ngram_max >= RESUME_MATCH  # after an inserted token
         self._index: dict[str, _Index] = {}
 
     def propose(self, reqs: Sequence[Request], k: int) -> list[list[int]]:
@@ -65,11 +78,33 @@ class NgramProposer(Proposer):
             else:
                 found.append(e)
         index.indexed = max(index.indexed, length - 1)
-        candidates = ends.get(tuple(tokens[length - n :]))
-        if not candidates:
+        best_end, best_len = self._match(ends, tokens, length)
+        if self.resume and best_len < RESUME_MATCH and length > n + 1:
+            # The last token may be an insertion: match the context before it instead.
+            end, m = self._match(ends, tokens, length - 1)
+            if m >= RESUME_MATCH and m > best_len:
+                return list(tokens[end : end + k])
+        if best_len == 0:
             return []
+        return list(tokens[best_end : best_end + k])
+
+    def _match(
+        self, ends: dict[tuple[int, ...], list[int]], tokens: Sequence[int], length: int
+    ) -> tuple[int, int]:
+        """(e, m): the longest match (m <= ngram_max, latest e among equals) of the suffix of
+        tokens[:length] ending at some e < length; m = 0 when none."""
+        n = self.ngram_min
+        candidates = ends.get(tuple(tokens[length - n : length]))
         best_end, best_len = -1, 0
-        for e in reversed(candidates[-self.max_candidates :]):
+        if not candidates:
+            return best_end, best_len
+        scanned = 0
+        for e in reversed(candidates):
+            if e >= length:
+                continue  # the suffix itself (matching the context before the last token)
+            scanned += 1
+            if scanned > self.max_candidates:
+                break
             m = n  # the ngram_min tokens match; extend backwards
             while m < self.ngram_max and e - m > 0 and tokens[e - m - 1] == tokens[length - m - 1]:
                 m += 1
@@ -77,4 +112,4 @@ class NgramProposer(Proposer):
                 best_end, best_len = e, m
                 if m == self.ngram_max:
                     break
-        return list(tokens[best_end : best_end + k])
+        return best_end, best_len

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmfleet.engine.sampler import SamplingRow, probabilities, race, small_tensor
+from llmfleet.engine.sampler import SamplingRow, probabilities, race, select_rows, small_tensor
 
 
 @dataclass
@@ -55,7 +55,7 @@ def rejection_sample(logits: torch.Tensor, seqs: Sequence[Verify]) -> list[list[
     greedy = [i for i, s in enumerate(seqs) if s.row.params.temperature == 0.0]
     if greedy:
         rows = [r for i in greedy for r in range(starts[i], starts[i + 1])]
-        targets = logits[small_tensor(rows, logits.device)].argmax(dim=-1).tolist()
+        targets = select_rows(logits, rows).argmax(dim=-1).tolist()
         at = 0
         for i in greedy:
             out[i] = _accept_greedy(seqs[i].drafts, targets[at : at + counts[i]])
@@ -64,7 +64,7 @@ def rejection_sample(logits: torch.Tensor, seqs: Sequence[Verify]) -> list[list[
     if sampled:
         rows = [r for i in sampled for r in range(starts[i], starts[i + 1])]
         rows_of = [seqs[i].row for i in sampled for _ in range(counts[i])]
-        probs = probabilities(logits[small_tensor(rows, logits.device)], rows_of)
+        probs = probabilities(select_rows(logits, rows), rows_of)
         probs = probs / probs.sum(dim=-1, keepdim=True)  # (R, V), each row sums to 1
         for i, tokens in zip(sampled, _sample([seqs[i] for i in sampled], probs), strict=True):
             out[i] = tokens

@@ -39,7 +39,7 @@ import torch
 from llmfleet.engine.block_manager import BlockManager
 from llmfleet.engine.model_runner import ModelRunner, StepOutput
 from llmfleet.engine.request import Request, RequestOutput, RequestStatus
-from llmfleet.engine.sampler import Sampler, SamplingRow, small_tensor
+from llmfleet.engine.sampler import Sampler, SamplingRow, select_rows
 from llmfleet.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmfleet.engine.spec_decode.proposer import Computed, Proposer
 from llmfleet.engine.spec_decode.rejection import Verify, rejection_sample
@@ -216,7 +216,7 @@ class Speculator:
         if plain:
             logits = step.logits
             if drafted:
-                logits = logits[small_tensor(plain_rows, logits.device)]
+                logits = select_rows(logits, plain_rows)
             if mask is not None and self.masks is not None:
                 self.masks.apply(mask, logits)
             reqs = [s.request for s in plain]
@@ -224,7 +224,7 @@ class Speculator:
             outputs += append(reqs, sampled.token_ids, sampled.logprobs)
         kept: dict[int, int] = {}  # id(scheduled request) -> drafts kept
         if drafted:
-            logits = step.logits[small_tensor(drafted_rows, step.logits.device)]
+            logits = select_rows(step.logits, drafted_rows)
             verify = [
                 Verify(
                     SamplingRow.of(s.request),
