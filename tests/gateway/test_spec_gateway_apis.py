@@ -69,6 +69,9 @@ def test_anthropic_messages_take_the_speculative_field(claude, model, fleet):
     assert after_off == before  # nothing drafted for it
     on, on_usage = create(True)
     assert on == off and on_usage.output_tokens == off_usage.output_tokens > 1
+    assert not hasattr(off_usage, "num_draft_tokens")
+    assert on_usage.num_draft_tokens > 0  # our extra beside Anthropic's counts
+    assert 0 <= on_usage.num_accepted_tokens <= on_usage.num_draft_tokens
     assert worker_stats(fleet).spec_decode.num_draft_tokens > after_off
     with claude.messages.stream(
         model=model,

@@ -68,7 +68,7 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format`: a JSON schema for the text
     # Our extra: speculative decoding for this request (false never drafts; unset: the
-    # worker's default). Anthropic's usage has no details object: draft counts are not shown.
+    # worker's default). Draft counts come back in `usage` (see `usage`).
     speculative: StrictBool | None = None
 
 
@@ -275,9 +275,15 @@ def stop_reason(finish_reason: str | None, stop_string: str, calls: Sequence[Too
 
 
 def usage(u: Usage | None, input_tokens: int = 0) -> dict[str, int]:
+    """Anthropic's usage; with drafted tokens (speculative decoding, docs/fleet.md) their
+    counts beside it, our extra (Anthropic's usage has no details object)."""
     if u is None:
         return {"input_tokens": input_tokens, "output_tokens": 0}
-    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}
+    out = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}
+    if u.num_draft_tokens:
+        out["num_draft_tokens"] = u.num_draft_tokens
+        out["num_accepted_tokens"] = u.num_accepted_tokens
+    return out
 
 
 def message(
