@@ -140,6 +140,32 @@ def test_a_joining_rank_of_another_group_size_exits_2(make_checkpoint_module):
             joiner.wait()
 
 
+def test_a_second_process_joining_as_a_taken_rank_exits_2(make_checkpoint_module):
+    """Two workers started with the same --tp-rank: the second is refused at once, with the
+    reason, instead of both waiting on a group that can never form."""
+    path = make_checkpoint_module("llama")
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(leader_config(path, port))))
+    first, second = join(port, rank=1), None
+    try:
+        deadline = time.monotonic() + 60
+        while not store.check(["joined/1"]):  # the first has its rank
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        second = join(port, rank=1)
+        assert second.wait(timeout=60) == 2
+        assert second.stderr is not None and "rank 1 of this tensor-parallel group is taken" in (
+            second.stderr.read()
+        )
+        assert first.poll() is None  # still waiting for its leader
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_the_group_flags_are_validated():
     bad = [
         ({"tp_local_ranks": 3}, "tp_local_ranks"),  # more than the group's 2 ranks

@@ -143,7 +143,8 @@ def join_leader(own: EngineConfig) -> int:
     """Rank `own.tp_rank` of the group whose rank 0 listens at `own.tp_join` (another machine's
     worker, `tp_local_ranks` < N): the leader's config on this process's device and memory
     (`own`'s device, threads and KV cache budget). Exit status: 0 after SHUTDOWN, 1 when the
-    leader cannot be reached or goes away, 2 when the group's size is not `own`'s."""
+    leader cannot be reached or goes away, 2 when the group's size is not `own`'s or another
+    process holds its rank."""
     if own.tp_join is None or own.tp_rank is None:
         raise ValueError("joining a tensor-parallel group needs tp_join and tp_rank")
     host, _, port = own.tp_join.rpartition(":")
@@ -216,6 +217,13 @@ def run(
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
+    if store.add(f"claimed/{rank}", 1) > 1:  # two processes started as the same rank
+        logger.error(
+            "rank %d of this tensor-parallel group is taken: another process joined as it "
+            "(give each joining worker its own --tp-rank; restart the group to rejoin)",
+            rank,
+        )
+        return 2
     store.set(f"joined/{rank}", "1")
     tp = join_group(store, rank, config.tensor_parallel_size, config.device)
     loaded = load_shard(config, tp)
