@@ -170,3 +170,37 @@ def test_tp2_with_cuda_graphs_gives_the_tp1_tokens_on_two_gpus(make_checkpoint_m
         finally:
             eng.close()
     assert got[2] == got[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_fp8_follows_tp1_fp8_on_two_gpus(make_checkpoint_module):
+    """FP8 at TP=2, CUDA graphs on: each rank quantizes its shard (a row-parallel projection
+    with scales over its own columns, so rounding differs from TP=1's). Greedy tokens follow
+    TP=1 FP8's; where they part, TP=1's two best logits were a near tie."""
+    from tiny_models import top2_margin
+
+    path = make_checkpoint_module("llama", hidden_size=256, intermediate_size=512)
+    reqs = list(enumerate(prompts([7, 23, 40], seed=3)))
+    got = {}
+    for tp in (1, 2):
+        config = EngineConfig(
+            model=str(path), device="cuda", dtype="bfloat16", quantization="fp8",
+            tensor_parallel_size=tp, cuda_graph_max_batch_size=8, **CFG,
+        )  # fmt: skip
+        eng = LLMEngine(config, load_for(config))
+        try:
+            assert eng.runner.decode_graphs is not None
+            got[tp] = drain(eng, [(f"r{i}", ids) for i, ids in reqs])
+        finally:
+            eng.close()
+    one = load_model(str(path), dtype=torch.bfloat16, device="cuda", quantization="fp8")
+    parted = 0
+    for i, ids in reqs:
+        a, b = got[2][f"r{i}"], got[1][f"r{i}"]
+        assert len(a) == len(b) == GREEDY.max_tokens
+        first = next((j for j, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), None)
+        if first is not None:
+            parted += 1
+            assert top2_margin(one, ids + b[:first]) < 0.2, (i, first, a, b)
+    print(f"\nTP=2 fp8: {len(reqs) - parted}/{len(reqs)} prompts equal TP=1 fp8's tokens")

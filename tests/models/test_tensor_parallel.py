@@ -29,6 +29,7 @@ from test_gguf import write_tiny_llama_gguf
 from tiny_models import Runner, assert_logits_close, build_hf_model, random_prompts
 from transformers import AutoConfig
 
+from llmfleet.models.fp8_linear import Fp8Linear, use_fp8_linears
 from llmfleet.models.loader import LoadedModel, load_model, random_model
 from llmfleet.models.parallel import TensorParallel, kv_head_partition, split_evenly
 from llmfleet.shared.core.errors import ValidationError
@@ -92,10 +93,14 @@ class Case:
 
     path: str | None = None
     config: dict[str, Any] | None = None
+    fp8: bool = False  # the decoder projections quantized to FP8 after loading (reference GEMM)
 
     def load(self, tp: TensorParallel | None = None) -> LoadedModel:
         if self.path is not None:
-            return load_model(self.path, progress=False, tp=tp)
+            loaded = load_model(self.path, progress=False, tp=tp)
+            if self.fp8:
+                use_fp8_linears(loaded.model)
+            return loaded
         assert self.config is not None
         config = AutoConfig.for_model(**self.config)
         return random_model(config, seed=5, std=0.1, tp=tp)
@@ -231,6 +236,29 @@ def test_dense_llama_checkpoint(ranks: RankPool, make_checkpoint_module) -> None
     )
     kv = assert_matches_unsplit(ranks, Case(path=str(path)))
     assert kv == [(1, 2, 0), (1, 2, 1)]
+
+
+def test_fp8_projections_of_each_rank_give_the_unsplit_fp8_model(
+    ranks: RankPool, make_checkpoint_module
+) -> None:
+    """FP8 under tensor parallelism: each rank quantizes its shard; a row-parallel projection's
+    scales cover its own input columns, so its rounding differs from TP=1's, within FP8's."""
+    path = make_checkpoint_module(
+        "llama", vocab_size=261, intermediate_size=97, attention_bias=True, mlp_bias=True
+    )
+    case = Case(path=str(path), fp8=True)
+    unsplit = case.load()
+    row_parallel = {n: m.tp for n, m in unsplit.model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(row_parallel) == 4 * unsplit.spec.num_layers
+    assert set(row_parallel.values()) == {None}  # TP=1: nothing to sum
+    ref_logits, ref_tokens = run_greedy(unsplit)
+    dense_logits, _ = run_greedy(Case(path=str(path)).load())
+    out = ranks.run(case)
+    assert torch.equal(out[0][0], out[1][0])  # every rank holds the same full logits
+    for logits, _, _ in out:
+        err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        fp8_err = ((ref_logits - dense_logits).norm() / dense_logits.norm()).item()
+        assert err < 0.05 and err < 2 * fp8_err, (err, fp8_err)
 
 
 def test_moe_checkpoints(ranks: RankPool, make_checkpoint_module) -> None:

@@ -21,7 +21,8 @@ import logging
 import torch
 from torch import nn
 
-from llmfleet.models.layers import rowwise_linear
+from llmfleet.models.layers import RowParallelLinear, rowwise_linear
+from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ class Fp8Linear(nn.Module):
 
     Invariants: `weight` is (out, in) float8_e4m3fn and unit-stride along `in`; `weight_scale`
     is (out,) float32 > 0; `out_dtype` is the dtype of the outputs and of `bias`.
+
+    Under tensor parallelism a row-parallel projection (o_proj, down_proj: `tp` set) holds this
+    rank's input columns, quantized with scales over those columns alone; its partial outputs
+    are summed over the group, then the bias is added once (layers.RowParallelLinear). A
+    column-parallel one holds whole rows, so its scales are TP=1's.
     """
 
     def __init__(
@@ -49,10 +55,12 @@ class Fp8Linear(nn.Module):
         bias: bool,
         out_dtype: torch.dtype,
         device: torch.device | str,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype = out_dtype
+        self.tp = tp  # row-parallel: sum the partial outputs over the group
         w = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
         self.register_buffer("weight", w)
         self.register_buffer("weight_scale", torch.ones(out_features, device=device))
@@ -74,6 +82,7 @@ class Fp8Linear(nn.Module):
             bias=linear.bias is not None,
             out_dtype=w.dtype,
             device=w.device,
+            tp=linear.tp if isinstance(linear, RowParallelLinear) else None,
         )
         # Per-row quantization of W is per-token quantization of a (out, in) matrix.
         q, scale = dispatch.per_token_quant(w.contiguous())
@@ -94,12 +103,16 @@ class Fp8Linear(nn.Module):
         def matmul(x2: torch.Tensor) -> torch.Tensor:
             return dispatch.fp8_linear(x2, self.weight, self.weight_scale, self.out_dtype)
 
-        return rowwise_linear(x, self.out_features, self.bias, matmul)
+        if self.tp is None:
+            return rowwise_linear(x, self.out_features, self.bias, matmul)
+        y = self.tp.all_reduce(rowwise_linear(x, self.out_features, None, matmul))
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, out_dtype={self.out_dtype}"
+            + (f", row-parallel over {self.tp.size} ranks" if self.tp is not None else "")
         )
 
 

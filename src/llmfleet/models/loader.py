@@ -289,15 +289,12 @@ def load_model(
     `quantization` "fp8": after loading, the decoder projections are quantized to FP8
     (fp8_linear.py); needs CUDA sm_89+ and a 16-bit `dtype` (ValidationError otherwise).
     `tp`: load rank `tp.rank`'s shard (decoder.py); safetensors are read only in that part,
-    GGUF and AWQ/GPTQ tensors are dequantized whole, then cut. Packed INT4 and FP8 layers
-    are single-device only (ValidationError with `tp.size` > 1)."""
+    GGUF and AWQ/GPTQ tensors are dequantized whole, then cut; FP8 quantizes each rank's
+    shard (fp8_linear.py). Packed INT4 layers are single-device only (ValidationError with
+    `tp.size` > 1)."""
     start = time.perf_counter()
     tp = tp or SINGLE
     check_quantization(quantization, device, dtype)  # before reading anything
-    if tp.size > 1 and quantization is not None:
-        raise ValidationError(
-            "quantization", f"{quantization} is not supported with tensor parallelism"
-        )
     if tp.size > 1 and int4_weights:
         raise ValidationError(
             "int4_weights", "packed INT4 weights are not supported with tensor parallelism"
