@@ -156,20 +156,25 @@ def test_tp2_with_cuda_graphs_gives_the_tp1_tokens_on_two_gpus(make_checkpoint_m
     """Both ranks capture their decode graphs (collectives inside) and replay them together:
     float32 greedy tokens equal TP=1's, through async scheduling's chained steps too."""
     path = make_checkpoint_module("llama")
-    reqs = list(enumerate(prompts([5, 21, 9, 40], seed=5)))
+    got = graphed_tokens_at_tp1_and_tp2(path, prompts([5, 21, 9, 40], seed=5))
+    assert got[2] == got[1]
+
+
+def graphed_tokens_at_tp1_and_tp2(path, reqs: list[list[int]], **config) -> dict[int, dict]:
+    """{tp: each request's greedy tokens} at TP=1 and TP=2 on CUDA, decode graphs on."""
     got = {}
     for tp in (1, 2):
-        config = EngineConfig(
+        cfg = EngineConfig(
             model=str(path), device="cuda", tensor_parallel_size=tp, cuda_graph_max_batch_size=8,
-            **CFG,
+            **CFG, **config,
         )  # fmt: skip
-        eng = LLMEngine(config, load_for(config))
+        eng = LLMEngine(cfg, load_for(cfg))
         try:
             assert eng.runner.decode_graphs is not None
-            got[tp] = drain(eng, [(f"r{i}", ids) for i, ids in reqs])
+            got[tp] = drain(eng, [(f"r{i}", ids) for i, ids in enumerate(reqs)])
         finally:
             eng.close()
-    assert got[2] == got[1]
+    return got
 
 
 @pytest.mark.gpu
@@ -181,22 +186,11 @@ def test_tp2_fp8_follows_tp1_fp8_on_two_gpus(make_checkpoint_module):
     from tiny_models import top2_margin
 
     path = make_checkpoint_module("llama", hidden_size=256, intermediate_size=512)
-    reqs = list(enumerate(prompts([7, 23, 40], seed=3)))
-    got = {}
-    for tp in (1, 2):
-        config = EngineConfig(
-            model=str(path), device="cuda", dtype="bfloat16", quantization="fp8",
-            tensor_parallel_size=tp, cuda_graph_max_batch_size=8, **CFG,
-        )  # fmt: skip
-        eng = LLMEngine(config, load_for(config))
-        try:
-            assert eng.runner.decode_graphs is not None
-            got[tp] = drain(eng, [(f"r{i}", ids) for i, ids in reqs])
-        finally:
-            eng.close()
+    reqs = prompts([7, 23, 40], seed=3)
+    got = graphed_tokens_at_tp1_and_tp2(path, reqs, dtype="bfloat16", quantization="fp8")
     one = load_model(str(path), dtype=torch.bfloat16, device="cuda", quantization="fp8")
     parted = 0
-    for i, ids in reqs:
+    for i, ids in enumerate(reqs):
         a, b = got[2][f"r{i}"], got[1][f"r{i}"]
         assert len(a) == len(b) == GREEDY.max_tokens
         first = next((j for j, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), None)
