@@ -3,7 +3,7 @@ ranks which op to run next, in the order it runs them, and every rank then runs 
 model's collectives need them all).
 
 Each op is a broadcast from rank 0 of a fixed int64 header, then (`BODY_OPS`) of one int64
-body holding the header's counts of ints:
+body holding the header's counts of ints (on the host under NCCL: `StepChannel`):
 
     header (HEADER_LEN,):  [op, n0, n1, n2, n3, 0, 0, 0]
 
@@ -49,23 +49,31 @@ BODY_OPS = (STEP, READ, WRITE, DECODE)
 
 
 class StepChannel:
-    """Broadcasts from rank 0 over `group`; rank 0 sends, the other ranks receive."""
+    """Broadcasts from rank 0; rank 0 sends, the other ranks receive.
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+    The ops (headers and bodies) travel over `host_group`, a gloo group of CPU tensors, when
+    the ranks' `group` is NCCL: rank 0 sends an op as its host schedules it, without waiting
+    for its device (a device tensor built from a host list waits for the stream), and a
+    follower has it, stages its inputs and launches its step while the GPUs still run the
+    previous one. Payloads (`broadcast`: a WRITE's KV, a DECODE's device token ids) stay on
+    `group`, in the same order on every rank. Without `host_group` (gloo ranks) everything is
+    on `group`."""
+
+    def __init__(self, group: Any, device: torch.device, host_group: Any = None) -> None:
         self.group = group
         self.device = device
+        self.host_group = group if host_group is None else host_group
+        self.host_device = device if host_group is None else torch.device("cpu")
 
     def send(self, op: int, counts: list[int], body: list[int] | None = None) -> None:
         header = [op, *counts, *[0] * (HEADER_LEN - 1 - len(counts))]
-        self.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+        self._send_ints(header)
         if op in BODY_OPS:
-            self.broadcast(torch.tensor(body or [], dtype=torch.int64, device=self.device))
+            self._send_ints(body or [])
 
     def recv(self) -> tuple[int, list[int], list[int]]:
         """The next op: (op, its counts, its body)."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self.broadcast(header)
-        op, *counts = header.tolist()
+        op, *counts = self._recv_ints(HEADER_LEN)
         if op not in BODY_OPS:
             return op, counts, []
         n_tok, n_seq, n_table, n_sample = counts[:4]  # READ, WRITE: n_tok is the block count
@@ -75,11 +83,19 @@ class StepChannel:
             size = 2 * n_tok + n_seq + (0 if n_table else n_tok)
         else:
             size = n_tok
-        body = torch.empty(size, dtype=torch.int64, device=self.device)
-        self.broadcast(body)
-        return op, counts, body.tolist()
+        return op, counts, self._recv_ints(size)
+
+    def _send_ints(self, values: list[int]) -> None:
+        t = torch.tensor(values, dtype=torch.int64, device=self.host_device)
+        dist.broadcast(t, src=0, group=self.host_group)
+
+    def _recv_ints(self, n: int) -> list[int]:
+        t = torch.empty(n, dtype=torch.int64, device=self.host_device)
+        dist.broadcast(t, src=0, group=self.host_group)
+        return t.tolist()
 
     def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's device tensor `t` into every rank's `t` (a payload, on `group`)."""
         dist.broadcast(t, src=0, group=self.group)
 
     def min_over(self, value: int) -> int:
