@@ -1,9 +1,9 @@
 """What a local fleet is made of: the `FleetSpec` a user asks for, and `plan`, which turns it
 into the child processes to start, in start tiers, with every flag and port chosen.
 
-Tiers (docs/fleet.md): kvstore and tokenizer, then the router, then the workers, then (with
-`gateway`) the OpenAI-compatible HTTP gateway. Every child is
-`sys.executable -m llmfleet.services.<name>` (or `FleetSpec.modules[kind]`) with explicit
+Tiers (docs/fleet.md; started at once, waited for in this order): kvstore and tokenizer, then
+the router, then the workers, then (with `gateway`) the OpenAI-compatible HTTP gateway. Every
+child is `sys.executable -m llmfleet.services.<name>` (or `FleetSpec.modules[kind]`) with explicit
 `--host`, `--port` and `--metrics-port`, the flags that wire it to the tiers before it, then
 `FleetSpec.extra_args[kind]`. Ports are picked here, all distinct; the public (router) and HTTP
 ports are the spec's unless 0, the metrics ports laid out from `metrics_port_base` when set.

@@ -4,10 +4,11 @@
         client = GenerationClient(fleet.endpoint)
         fleet.worker_addresses            # gRPC addresses, e.g. for GetWorkerStats
 
-`Fleet.start` starts the tiers of `fleet_plan.plan` in order: kvstore and tokenizer (in
-parallel), then the router (waited on until its health service answers: it reports SERVING
-only once workers registered), then the workers (in parallel), then the router's SERVING, then
-the gateway, SERVING once its `/health` answers 200. Each child's stdout and stderr go to
+`Fleet.start` starts every child of `fleet_plan.plan` at once (their ports are all chosen, and
+each service waits for or retries what it needs from the others), then waits for them tier by
+tier: kvstore and tokenizer SERVING, the router answering its health service (it reports
+SERVING only once workers registered), the workers SERVING, the router SERVING, then the
+gateway, SERVING once its `/health` answers 200. Each child's stdout and stderr go to
 `<log_dir>/<name>.log` and, when `echo` is set, to this process's stderr prefixed with `[name]`
 (whole lines, through `write_line`). A child that exits or is not SERVING in time fails the
 start with a `FleetStartError` naming it and quoting the tail of its output.
@@ -138,14 +139,11 @@ class Fleet:
         try:
             deadline = time.monotonic() + self.spec.startup_timeout_s
             first, [router], workers, gateways = tiers
-            self._spawn(first)
+            self._spawn([*first, router, *workers, *gateways])  # every port is chosen already
             self._wait(first, deadline, serving=True)
-            self._spawn([router])
             self._wait([router], deadline, serving=False)
-            self._spawn(workers)
             self._wait(workers, deadline, serving=True)
             self._wait([router], deadline, serving=True)
-            self._spawn(gateways)
             self._wait(gateways, deadline, serving=True)
         except BaseException:
             self.stop()
