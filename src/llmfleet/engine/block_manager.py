@@ -48,13 +48,12 @@ class FreeBlockQueue:
     """Doubly linked list of free blocks with sentinels: O(1) pop, push and remove-from-middle.
 
     Blocks never used yet (`fresh`, a range of ids) are not objects until the queue reaches
-    them: one marker node stands for the whole run and yields a new `KVBlock` per pop, so a
-    cache of any size starts in O(1) (a small model on a large GPU has tens of millions of
-    blocks). `made` lists every block created so far, by id (ids come out in order)."""
+    them: one marker node stands for the run, a new `KVBlock` per pop, so a cache of any size
+    starts in O(1) (a small model on a big GPU has tens of millions of blocks). `made` lists
+    the blocks created so far, by id."""
 
     def __init__(self, blocks: Sequence[KVBlock] = (), fresh: range = range(0)) -> None:
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-1)
+        self._head, self._tail = KVBlock(-1), KVBlock(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.num_free = 0
         self.made: list[KVBlock] = []
@@ -70,14 +69,10 @@ class FreeBlockQueue:
         b = self._head.next
         if b is self._tail or b is None:
             raise IndexError("no free blocks")
-        if b is self._marker:
-            return self._make_fresh()
-        self.remove(b)
-        return b
-
-    def _make_fresh(self) -> KVBlock:
-        b = KVBlock(self._fresh[0])
-        self._fresh = self._fresh[1:]
+        if b is not self._marker:
+            self.remove(b)
+            return b
+        b, self._fresh = KVBlock(self._fresh[0]), self._fresh[1:]  # never used: made now
         self.made.append(b)
         if self._fresh:
             self.num_free -= 1
