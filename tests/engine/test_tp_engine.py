@@ -160,8 +160,11 @@ def test_tp2_with_cuda_graphs_gives_the_tp1_tokens_on_two_gpus(make_checkpoint_m
     assert got[2] == got[1]
 
 
-def graphed_tokens_at_tp1_and_tp2(path, reqs: list[list[int]], **config) -> dict[int, dict]:
-    """{tp: each request's greedy tokens} at TP=1 and TP=2 on CUDA, decode graphs on."""
+def graphed_tokens_at_tp1_and_tp2(
+    path, reqs: list[list[int]], inspect=None, **config
+) -> dict[int, dict]:
+    """{tp: each request's greedy tokens} at TP=1 and TP=2 on CUDA, decode graphs on;
+    `inspect(engine, tp)` sees each engine before it runs."""
     got = {}
     for tp in (1, 2):
         cfg = EngineConfig(
@@ -171,6 +174,8 @@ def graphed_tokens_at_tp1_and_tp2(path, reqs: list[list[int]], **config) -> dict
         eng = LLMEngine(cfg, load_for(cfg))
         try:
             assert eng.runner.decode_graphs is not None
+            if inspect is not None:
+                inspect(eng, tp)
             got[tp] = drain(eng, [(f"r{i}", ids) for i, ids in enumerate(reqs)])
         finally:
             eng.close()
@@ -198,3 +203,34 @@ def test_tp2_fp8_follows_tp1_fp8_on_two_gpus(make_checkpoint_module):
             parted += 1
             assert top2_margin(one, ids + b[:first]) < 0.2, (i, first, a, b)
     print(f"\nTP=2 fp8: {len(reqs) - parted}/{len(reqs)} prompts equal TP=1 fp8's tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_keeps_the_bundled_models_int4_weights_packed_on_two_gpus():
+    """The bundled GGUF at TP=2 on CUDA keeps its Q4 projections packed on each rank (o_proj
+    and down_proj row-parallel, summing over the group); bf16 greedy tokens follow TP=1's
+    (packed too), and where they part TP=1's two best logits were a near tie."""
+    from tiny_models import top2_margin
+
+    from llmfleet.models.checkpoint_files import resolve_model_path
+    from llmfleet.models.int4_linear import Int4Linear
+
+    path = str(resolve_model_path(None))
+
+    def packed(eng: LLMEngine, tp: int) -> None:
+        modules = [m for m in eng.runner.model.modules() if isinstance(m, Int4Linear)]
+        assert len(modules) == 4 * eng.spec.num_layers
+        assert sum(m.tp is not None for m in modules) == (2 * eng.spec.num_layers if tp > 1 else 0)
+
+    reqs = prompts([12, 40, 25], seed=7)
+    got = graphed_tokens_at_tp1_and_tp2(path, reqs, packed, dtype="bfloat16")
+    one = load_model(path, dtype=torch.bfloat16, device="cuda")
+    parted = 0
+    for i, ids in enumerate(reqs):
+        a, b = got[2][f"r{i}"], got[1][f"r{i}"]
+        first = next((j for j, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), None)
+        if first is not None:
+            parted += 1
+            assert top2_margin(one, ids + b[:first]) < 0.1, (i, first, a, b)
+    print(f"\nTP=2 packed INT4: {len(reqs) - parted}/{len(reqs)} prompts equal TP=1's tokens")

@@ -26,13 +26,14 @@ from mm_checkpoints.llava import make_llava_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_gguf import write_tiny_llama_gguf
+from test_int4_gguf import ALL_Q4
 from tiny_models import Runner, assert_logits_close, build_hf_model, random_prompts
 from transformers import AutoConfig
 
 from llmfleet.models.fp8_linear import Fp8Linear, use_fp8_linears
+from llmfleet.models.int4_linear import Int4Linear
 from llmfleet.models.loader import LoadedModel, load_model, random_model
 from llmfleet.models.parallel import TensorParallel, kv_head_partition, split_evenly
-from llmfleet.shared.core.errors import ValidationError
 
 SIZE = 2
 DECODE_STEPS = 8
@@ -78,12 +79,6 @@ def test_split_evenly() -> None:
     assert [len(split_evenly(10, 4, r)) for r in range(4)] == [3, 3, 2, 2]
 
 
-def test_tensor_parallel_refuses_packed_int4(tmp_path) -> None:
-    tp = TensorParallel(rank=0, size=2)  # refused before any file is read or collective run
-    with pytest.raises(ValidationError, match="int4_weights"):
-        load_model(str(tmp_path), progress=False, int4_weights=True, tp=tp)
-
-
 # ---- two gloo ranks -----------------------------------------------------------------------
 
 
@@ -94,10 +89,11 @@ class Case:
     path: str | None = None
     config: dict[str, Any] | None = None
     fp8: bool = False  # the decoder projections quantized to FP8 after loading (reference GEMM)
+    int4: bool = False  # GGUF Q4 projections kept packed (Int4Linear, reference kernel)
 
     def load(self, tp: TensorParallel | None = None) -> LoadedModel:
         if self.path is not None:
-            loaded = load_model(self.path, progress=False, tp=tp)
+            loaded = load_model(self.path, progress=False, tp=tp, int4_weights=self.int4 or None)
             if self.fp8:
                 use_fp8_linears(loaded.model)
             return loaded
@@ -140,11 +136,18 @@ def _rank_main(rank: int, port: int, tasks: Any, results: Any) -> None:
                 spec = loaded.spec
                 logits, tokens = run_greedy(loaded)
                 kv = (spec.num_kv_heads, spec.total_num_kv_heads, spec.kv_head_start)
-                results.put((seq, rank, "ok", (logits, tokens, kv)))
+                results.put((seq, rank, "ok", (logits, tokens, kv, packed_int4(loaded))))
             except Exception:  # reported to the test, which fails with it
                 results.put((seq, rank, "error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+def packed_int4(loaded: LoadedModel) -> dict[str, bool]:
+    """Each Int4Linear of the model: whether it is row-parallel (sums over the group)."""
+    return {
+        n: m.tp is not None for n, m in loaded.model.named_modules() if isinstance(m, Int4Linear)
+    }
 
 
 def _collectives(tp: TensorParallel) -> tuple[list[float], list[float], list[float]]:
@@ -173,7 +176,7 @@ class RankPool:
 
     def run(self, case: Case | str) -> list[Any]:
         """Each rank's result: for a Case, (prefill logits, greedy tokens, (its KV heads,
-        total, first)); for "collectives", what `_collectives` returns."""
+        total, first), `packed_int4`); for "collectives", what `_collectives` returns."""
         self.seq += 1
         for q in self.tasks:
             q.put((self.seq, case))
@@ -217,11 +220,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
 def assert_matches_unsplit(ranks: RankPool, case: Case) -> list[tuple[int, int, int]]:
     ref_logits, ref_tokens = run_greedy(case.load())
     out = ranks.run(case)
-    for logits, tokens, _ in out:
+    for logits, tokens, *_ in out:
         assert_logits_close(logits, ref_logits)
         assert tokens == ref_tokens
     assert torch.equal(out[0][0], out[1][0])  # every rank holds the same full logits
-    return [kv for _, _, kv in out]
+    return [kv for _, _, kv, _ in out]
 
 
 def test_collectives(ranks: RankPool) -> None:
@@ -255,7 +258,7 @@ def test_fp8_projections_of_each_rank_give_the_unsplit_fp8_model(
     dense_logits, _ = run_greedy(Case(path=str(path)).load())
     out = ranks.run(case)
     assert torch.equal(out[0][0], out[1][0])  # every rank holds the same full logits
-    for logits, _, _ in out:
+    for logits, *_ in out:
         err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
         fp8_err = ((ref_logits - dense_logits).norm() / dense_logits.norm()).item()
         assert err < 0.05 and err < 2 * fp8_err, (err, fp8_err)
@@ -334,6 +337,29 @@ def test_replicated_kv_head_random_model(ranks: RankPool) -> None:
     # One KV head on both ranks, two query heads each; Qwen3's per-head q/k norm.
     case = Case(config=_config("qwen3", 4, 1, tie_word_embeddings=False))
     assert assert_matches_unsplit(ranks, case) == [(1, 1, 0), (1, 1, 0)]
+
+
+def test_gguf_q4_projections_stay_packed_on_each_rank(ranks: RankPool, tmp_path) -> None:
+    """Packed INT4 under tensor parallelism (the reference kernel on the CPU): each rank keeps
+    its part of the Q4 projections packed, a row-parallel one summing over the group, where
+    the part falls on the format's groups of 32 input columns. o_proj's 2 heads x 16 = 32
+    columns do; down_proj's 96 / 2 = 48 do not, so it is dequantized. Logits and greedy tokens
+    are the unsplit packed model's."""
+    path = tmp_path / "q4.gguf"
+    write_tiny_llama_gguf(build_hf_model("llama"), path, ALL_Q4)
+    case = Case(path=str(path), int4=True)
+    unsplit = case.load()
+    layers = range(unsplit.spec.num_layers)
+    projections = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    assert set(packed_int4(unsplit)) == {f"layers.{i}.{p}" for i in layers for p in projections}
+    ref_logits, ref_tokens = run_greedy(unsplit)
+    out = ranks.run(case)
+    for logits, tokens, _, packed in out:
+        assert_logits_close(logits, ref_logits)
+        assert tokens == ref_tokens
+        want = {f"layers.{i}.{p}": p == "self_attn.o_proj" for i in layers for p in projections}
+        del want["layers.0.mlp.down_proj"], want["layers.1.mlp.down_proj"]
+        assert packed == want
 
 
 def test_gguf_with_smollm2_heads(ranks: RankPool, tmp_path) -> None:

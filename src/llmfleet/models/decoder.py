@@ -354,7 +354,7 @@ class DecoderForCausalLM(CausalLM):
                 continue
             name, expert, offset = route
             if isinstance(item, PackedInt4):  # into an Int4Linear, still packed
-                self._load_packed(hf_name, name, item, offset)
+                self._load_packed(hf_name, name, item.shard(self.weight_shard(hf_name)), offset)
                 continue
             tensor = take_shard(item, self.weight_shard(hf_name))
             param = params.get(name)

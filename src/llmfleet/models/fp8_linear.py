@@ -103,10 +103,7 @@ class Fp8Linear(nn.Module):
         def matmul(x2: torch.Tensor) -> torch.Tensor:
             return dispatch.fp8_linear(x2, self.weight, self.weight_scale, self.out_dtype)
 
-        if self.tp is None:
-            return rowwise_linear(x, self.out_features, self.bias, matmul)
-        y = self.tp.all_reduce(rowwise_linear(x, self.out_features, None, matmul))
-        return y if self.bias is None else y + self.bias
+        return rowwise_linear(x, self.out_features, self.bias, matmul, self.tp)
 
     def extra_repr(self) -> str:
         return (

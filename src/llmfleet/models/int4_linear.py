@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from llmfleet.kernels.int4_pack import int4_matmul_ref
-from llmfleet.models.layers import rowwise_linear
+from llmfleet.models.layers import RowParallelLinear, rowwise_linear
+from llmfleet.models.parallel import Shard, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,33 @@ class PackedInt4:
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def shard(self, shard: Shard | None) -> PackedInt4:
+        """The part of the weight a tensor-parallel rank loads (`Shard` in the dense (out, in)
+        layout, parallel.py): output rows are columns of every buffer; input columns are rows
+        of qweight (8 a word) and of scales and zeros (one a group), on group boundaries."""
+        if shard is None:
+            return self
+        dim, pieces = shard
+        if dim == 0:
+            cols = torch.cat([torch.arange(r.start, r.stop) for r in pieces]).to(
+                self.qweight.device
+            )
+            return PackedInt4(
+                self.qweight[:, cols].contiguous(),
+                self.scales[:, cols].contiguous(),
+                self.zeros[:, cols].contiguous(),
+                self.group_size,
+            )
+        g = self.group_size
+        if any(r.start % g or r.stop % g for r in pieces):
+            raise ValueError(f"input columns {pieces} do not fall on groups of {g}")
+        return PackedInt4(
+            torch.cat([self.qweight[r.start // 8 : r.stop // 8] for r in pieces]),
+            torch.cat([self.scales[r.start // g : r.stop // g] for r in pieces]),
+            torch.cat([self.zeros[r.start // g : r.stop // g] for r in pieces]),
+            g,
+        )
+
     def permute_rows(self, perm: np.ndarray) -> PackedInt4:
         """The same weight with output rows reordered: row i of the result is row perm[i]."""
         idx = torch.as_tensor(perm, dtype=torch.long, device=self.qweight.device)
@@ -71,7 +99,9 @@ class Int4Linear(nn.Module):
 
     Invariants: `qweight`, `scales` and `zeros` are buffers written only by `load_shard`
     (every output column exactly once before the first forward); `bias`, when present, is an
-    ordinary parameter loaded by the model's weight loader.
+    ordinary parameter loaded by the model's weight loader. With `tp` (a row-parallel
+    projection's rank: its input columns) the partial outputs are summed over the group, then
+    the bias is added once, as in layers.RowParallelLinear.
     """
 
     def __init__(
@@ -83,6 +113,7 @@ class Int4Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         if in_features % group_size or group_size % 8:
@@ -101,6 +132,7 @@ class Int4Linear(nn.Module):
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         )
         self.num_rows_loaded = 0
+        self.tp = tp
 
     def load_shard(self, packed: PackedInt4, offset: int = 0) -> None:
         """Copy `packed` into output rows offset .. offset + its rows (columns of the buffers)."""
@@ -129,12 +161,13 @@ class Int4Linear(nn.Module):
         def matmul(x2: torch.Tensor) -> torch.Tensor:
             return fn(x2, self.qweight, self.scales, self.zeros, self.group_size)
 
-        return rowwise_linear(x, self.out_features, self.bias, matmul)
+        return rowwise_linear(x, self.out_features, self.bias, matmul, self.tp)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={self.bias is not None}"
+            + (f", row-parallel over {self.tp.size} ranks" if self.tp is not None else "")
         )
 
 
@@ -158,6 +191,7 @@ def use_int4_linears(
             bias=old.bias is not None,
             dtype=dtype,
             device=old.weight.device,
+            tp=old.tp if isinstance(old, RowParallelLinear) else None,
         )
         setattr(parent, attr, new)
         replaced.append(module_name)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmfleet.kernels.int4_pack import GGUF_BLOCK
 from llmfleet.models.decoder import DecoderForCausalLM
 from llmfleet.models.gguf_file import GGUFFile, hf_tensor_name
 from llmfleet.models.int4_checkpoint import Int4CheckpointFormat, int4_tensors, quantized_modules
@@ -27,12 +28,14 @@ def keeps_int4(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 def packed_linear_targets(
-    model: DecoderForCausalLM, hf_names: Iterable[str], quantized: set[str]
+    model: DecoderForCausalLM, hf_names: Iterable[str], quantized: set[str], group_size: int
 ) -> tuple[set[str], set[str]]:
     """The nn.Linear weights of `model` that can keep INT4 weights packed, and the HF names of
     their checkpoint tensors. A weight qualifies when every tensor loaded into it is in
     `quantized` (a fused qkv or gate_up projection needs all of its shards so); embeddings,
-    the output head and stacked experts stay dense."""
+    the output head and stacked experts stay dense. Under tensor parallelism a row-parallel
+    weight (o_proj, down_proj: its input columns split) qualifies only where this rank's
+    columns start and end on `group_size` boundaries; else it is dequantized."""
     sources: dict[str, list[str]] = {}
     for hf in hf_names:
         target = model.weight_target(hf)
@@ -44,16 +47,24 @@ def packed_linear_targets(
         for name, names in sources.items()
         if name.endswith(".weight")
         and name != "lm_head.weight"
-        and all(h in quantized for h in names)
+        and all(h in quantized and _group_aligned(model, h, group_size) for h in names)
         and isinstance(model.get_submodule(name.removesuffix(".weight")), nn.Linear)
     }
     return targets, {h for name in targets for h in sources[name]}
 
 
+def _group_aligned(model: DecoderForCausalLM, hf_name: str, group_size: int) -> bool:
+    """Whether this rank's part of `hf_name` keeps whole groups of its input columns."""
+    shard = model.weight_shard(hf_name)
+    if shard is None or shard[0] == 0:  # whole, or a range of output rows
+        return True
+    return all(r.start % group_size == 0 and r.stop % group_size == 0 for r in shard[1])
+
+
 def int4_packed_weights(gf: GGUFFile, model: DecoderForCausalLM) -> tuple[set[str], set[str]]:
     """`packed_linear_targets` of a GGUF file: its Q4_0/Q4_1 tensors qualify."""
     names = [hf_tensor_name(t.name) for t in gf.reader.tensors]
-    return packed_linear_targets(model, names, gf.q4_weight_names())
+    return packed_linear_targets(model, names, gf.q4_weight_names(), GGUF_BLOCK)
 
 
 def int4_checkpoint_weights(
@@ -74,7 +85,7 @@ def int4_checkpoint_weights(
     packed: set[str] = set()
     if keep_int4 and group is not None:
         merged = [f"{m}.weight" for m in modules]
-        targets, packed = packed_linear_targets(model, [*names, *merged], set(merged))
+        targets, packed = packed_linear_targets(model, [*names, *merged], set(merged), group)
         use_int4_linears(model, targets, group, dtype)
     elif keep_int4:
         logger.info(

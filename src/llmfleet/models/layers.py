@@ -155,14 +155,19 @@ def rowwise_linear(
     out_features: int,
     bias: torch.Tensor | None,
     matmul: Callable[[torch.Tensor], torch.Tensor],  # (rows, in) unit-stride -> (rows, out)
+    tp: TensorParallel | None = None,
 ) -> torch.Tensor:  # (..., out_features)
     """A quantized linear layer's forward around its `matmul`: flatten the leading dims, make
-    the last one unit-stride (what the kernels require), add the bias, restore the shape."""
+    the last one unit-stride (what the kernels require), add the bias, restore the shape.
+    With `tp` (a row-parallel rank's input columns) the partial outputs are summed over the
+    group before the bias is added, once, as in `RowParallelLinear`."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = matmul(x2)
+    if tp is not None:
+        out = tp.all_reduce(out)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], out_features)

@@ -49,7 +49,7 @@ from llmfleet.models.tokenizer import (
     eos_token_ids,
     gguf_tokenizer,
 )
-from llmfleet.shared.core.errors import ModelLoadError, ValidationError
+from llmfleet.shared.core.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -289,16 +289,12 @@ def load_model(
     `quantization` "fp8": after loading, the decoder projections are quantized to FP8
     (fp8_linear.py); needs CUDA sm_89+ and a 16-bit `dtype` (ValidationError otherwise).
     `tp`: load rank `tp.rank`'s shard (decoder.py); safetensors are read only in that part,
-    GGUF and AWQ/GPTQ tensors are dequantized whole, then cut; FP8 quantizes each rank's
-    shard (fp8_linear.py). Packed INT4 layers are single-device only (ValidationError with
-    `tp.size` > 1)."""
+    GGUF and AWQ/GPTQ tensors are read whole, then cut: packed INT4 layers keep their rank's
+    part packed where it falls on group boundaries (int4_loading.py), the rest is dequantized;
+    FP8 quantizes each rank's shard (fp8_linear.py)."""
     start = time.perf_counter()
     tp = tp or SINGLE
     check_quantization(quantization, device, dtype)  # before reading anything
-    if tp.size > 1 and int4_weights:
-        raise ValidationError(
-            "int4_weights", "packed INT4 weights are not supported with tensor parallelism"
-        )
     ckpt = open_checkpoint(path)
     if load_format == "dummy":
         return _dummy_model(ckpt, dtype, device, backend, quantization, tp)
@@ -333,7 +329,6 @@ def load_model(
         backend = select_backend(device)
     model = build_model(config, dtype=dtype, device=device, backend=backend, tp=tp)
     keep_int4 = keeps_int4(device, dtype) if int4_weights is None else int4_weights
-    keep_int4 = keep_int4 and tp.size == 1
     if gf is not None and keep_int4:
         targets, hf_names = int4_packed_weights(gf, text_decoder(model))
         use_int4_linears(model, targets, GGUF_BLOCK, dtype)
