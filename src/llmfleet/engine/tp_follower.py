@@ -225,9 +225,8 @@ def run(
         )
         return 2
     store.set(f"joined/{rank}", "1")
-    tp, host_group = join_group(store, rank, config.tensor_parallel_size, config.device)
+    tp, channel = join_group(store, rank, config.tensor_parallel_size, config.device)
     loaded = load_shard(config, tp)
-    channel = StepChannel(tp.group, device, host_group)
     op, counts, _ = channel.recv()
     if op == SIZE:  # the KV blocks this rank's memory holds; every rank allocates the fewest
         shape = flops.model_shape(loaded.model, config.torch_dtype.itemsize)

@@ -39,7 +39,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,16 +96,18 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def join_group(store: dist.Store, rank: int, size: int, device: str) -> tuple[TensorParallel, Any]:
-    """Join the ranks' process group (every rank calls it) and return this rank's place, and
-    the gloo group the ops travel on (`StepChannel`) when the ranks' group is NCCL (else
-    None: the ranks' group is gloo already)."""
+def join_group(
+    store: dist.Store, rank: int, size: int, device: str
+) -> tuple[TensorParallel, StepChannel]:
+    """Join the ranks' process group (every rank calls it): this rank's place, and the channel
+    rank 0's ops travel on (its ops over a second, gloo group when the ranks' group is NCCL)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     backend = backend_for(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
     host = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else None
-    return TensorParallel(rank=rank, size=size, group=None), host  # None: the default group
+    tp = TensorParallel(rank=rank, size=size, group=None)  # None: the default group
+    return tp, StepChannel(tp.group, torch.device(device), host)
 
 
 class Ranks:
@@ -136,11 +137,10 @@ class Ranks:
         self.pending = False
         try:
             self._wait_joined(store, size)
-            self.tp, host_group = join_group(store, 0, size, rank_device(config.device, 0))
+            self.tp, self.channel = join_group(store, 0, size, rank_device(config.device, 0))
         except BaseException:
             self._kill()
             raise
-        self.channel = StepChannel(self.tp.group, torch.device(config.device), host_group)
         self._store = store  # the group's rendezvous: kept while the group lives
         atexit.register(self.close)
         logger.info("tensor parallel: %d ranks (%s)", size, backend_for(config.device))

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from llmfleet.models.layers import RowParallelLinear, rowwise_linear
+from llmfleet.models.layers import row_parallel_group, rowwise_linear
 from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.errors import ValidationError
 
@@ -82,7 +82,7 @@ class Fp8Linear(nn.Module):
             bias=linear.bias is not None,
             out_dtype=w.dtype,
             device=w.device,
-            tp=linear.tp if isinstance(linear, RowParallelLinear) else None,
+            tp=row_parallel_group(linear),
         )
         # Per-row quantization of W is per-token quantization of a (out, in) matrix.
         q, scale = dispatch.per_token_quant(w.contiguous())

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from llmfleet.kernels.int4_pack import int4_matmul_ref
-from llmfleet.models.layers import RowParallelLinear, rowwise_linear
+from llmfleet.models.layers import row_parallel_group, rowwise_linear
 from llmfleet.models.parallel import Shard, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -63,25 +63,14 @@ class PackedInt4:
         if shard is None:
             return self
         dim, pieces = shard
-        if dim == 0:
-            cols = torch.cat([torch.arange(r.start, r.stop) for r in pieces]).to(
-                self.qweight.device
-            )
-            return PackedInt4(
-                self.qweight[:, cols].contiguous(),
-                self.scales[:, cols].contiguous(),
-                self.zeros[:, cols].contiguous(),
-                self.group_size,
-            )
         g = self.group_size
+        if dim == 0:  # output rows: the same columns of every buffer
+            cut = [_cut(t, pieces, 1, 1) for t in (self.qweight, self.scales, self.zeros)]
+            return PackedInt4(*cut, g)
         if any(r.start % g or r.stop % g for r in pieces):
             raise ValueError(f"input columns {pieces} do not fall on groups of {g}")
-        return PackedInt4(
-            torch.cat([self.qweight[r.start // 8 : r.stop // 8] for r in pieces]),
-            torch.cat([self.scales[r.start // g : r.stop // g] for r in pieces]),
-            torch.cat([self.zeros[r.start // g : r.stop // g] for r in pieces]),
-            g,
-        )
+        scales, zeros = (_cut(t, pieces, 0, g) for t in (self.scales, self.zeros))
+        return PackedInt4(_cut(self.qweight, pieces, 0, 8), scales, zeros, g)
 
     def permute_rows(self, perm: np.ndarray) -> PackedInt4:
         """The same weight with output rows reordered: row i of the result is row perm[i]."""
@@ -92,6 +81,12 @@ class PackedInt4:
             self.zeros[:, idx].contiguous(),
             self.group_size,
         )
+
+
+def _cut(t: torch.Tensor, pieces: tuple[range, ...], dim: int, unit: int) -> torch.Tensor:
+    """The `pieces` of `t` along `dim`, in units of `unit` (8 weights a word, a group's row)."""
+    parts = [t.narrow(dim, r.start // unit, len(r) // unit) for r in pieces]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
 
 
 class Int4Linear(nn.Module):
@@ -191,7 +186,7 @@ def use_int4_linears(
             bias=old.bias is not None,
             dtype=dtype,
             device=old.weight.device,
-            tp=old.tp if isinstance(old, RowParallelLinear) else None,
+            tp=row_parallel_group(old),
         )
         setattr(parent, attr, new)
         replaced.append(module_name)

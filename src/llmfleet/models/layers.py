@@ -127,6 +127,12 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def row_parallel_group(linear: nn.Module) -> TensorParallel | None:
+    """The group a layer replacing `linear` sums its partial outputs over (`rowwise_linear`'s
+    `tp`): a `RowParallelLinear`'s, else None."""
+    return linear.tp if isinstance(linear, RowParallelLinear) else None
+
+
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> Linear:
     """`Linear` at size 1, else the `RowParallelLinear` of this rank's `in_features`."""
     if tp.size == 1:
