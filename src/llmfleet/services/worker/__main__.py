@@ -94,13 +94,14 @@ SERVICE = ServiceMain(
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the worker (`SERVICE.main`), or with --tp-join one rank of another worker's group."""
+    """Run the worker (`SERVICE.main`), or with --tp-join one rank of another worker's group,
+    whose end exits the process (`tp_follower.exit_rank`)."""
     _, engine, _ = SERVICE.parse(argv, prog)
     if engine.tp_join is None:
         return SERVICE.main(argv, prog)
-    from llmfleet.engine.tp_follower import join_leader  # (imports torch)
+    from llmfleet.engine.tp_follower import exit_rank, join_leader  # (imports torch)
 
-    return join_leader(engine)
+    exit_rank(join_leader(engine))
 
 
 build_parser = SERVICE.build_parser  # argparse parser; for tests and `llmfleet <service>`
