@@ -8,10 +8,11 @@ One run, in order:
   2. correctness in float32: a 2-layer model of the Llama-3-8B shape (random weights, a real
      checkpoint on disk), greedy tokens of a few prompts at TP=N against TP=1 (must be equal);
   3. the full Llama-3-8B shape in bf16 (random checkpoint, 4 safetensors shards): batch-1 and
-     batch-16 decode, the median inter-token interval of the engine (`LLMEngine`; TP=1 with CUDA
-     graphs, as served; TP=N as it runs now), and how many of the greedy tokens TP=N shares with
-     TP=1 before the first difference (bf16 sums in another order: a difference is not a bug
-     there, which is why step 2 checks equality in float32);
+     batch-16 decode, the median inter-token interval of the engine (`LLMEngine`, CUDA graphs,
+     as served: TP=1, TP=N, and on GPUs TP=N with every sum on NCCL, `--tp-all-reduce nccl`),
+     and how many of the greedy tokens TP=N shares with TP=1 before the first difference (bf16
+     sums in another order: a difference is not a bug there, which is why step 2 checks
+     equality in float32);
   4. (`--big`) a Llama-3-70B-shaped model at TP=N with random weights (`--load-format dummy`:
      config and tokenizer on disk, no weight files): loads, decodes, batch-1 step time against
      its roofline. Its vocabulary is the bundled tokenizer's (49152), the rest is 70B's.
@@ -213,7 +214,7 @@ def main() -> None:
     big = write_random_checkpoint(work / name, llama3_8b_config(**sizes), torch_dtype, device)
     one = random_prompts(1, 128, vocab, seed=2)
     batch = random_prompts(16, 128, vocab, seed=3)
-    results: dict[int, dict[str, float | list[list[int]]]] = {}
+    results: dict[str, dict] = {}
 
     def measure(eng: LLMEngine) -> dict[str, float | list[list[int]]]:
         model = getattr(eng.runner, "model", None)
@@ -224,21 +225,27 @@ def main() -> None:
             "b16": engine_decode_ms(eng, batch, args.steps),
         }
 
-    for tp in (1, args.tp):
-        results[tp] = with_engine(big, tp, device, dtype, measure)
-        print(f"TP={tp}: batch 1 {results[tp]['b1']:.2f} ms", flush=True)
-    full_weights = results[1]["weights"]
-    for tp in (1, args.tp):
-        r = results[tp]
+    # TP=N as served, and (GPUs) with every sum on NCCL: the one-shot all-reduce's gain
+    runs = [("TP=1", 1, "auto"), (f"TP={args.tp}", args.tp, "auto")]
+    if gpu:
+        runs.append((f"TP={args.tp}, NCCL sums", args.tp, "nccl"))
+    for label, tp, sums in runs:
+        results[label] = with_engine(big, tp, device, dtype, measure, tp_all_reduce=sums)
+        print(f"{label}: batch 1 {results[label]['b1']:.2f} ms", flush=True)
+    full_weights = results["TP=1"]["weights"]
+    for label, tp, _ in runs:
+        r = results[label]
         line = f"batch 1 {r['b1']:.2f} ms, batch 16 {r['b16']:.2f} ms"
         if gpu:
             roof = 1e3 * full_weights / (tp * statistics.mean(bw[:tp]))
             line += f"; roofline {roof:.2f} ms, batch 1 at {r['b1'] / roof:.2f}x"
-        rows.append((f"{dtype} TP={tp} decode", line))
-    pairs = zip(results[1]["tokens"], results[args.tp]["tokens"], strict=True)
-    same = [shared_prefix(a, b) for a, b in pairs]
-    rows.append((f"{dtype} greedy tokens shared with TP=1 (of 32)", str(same)))
-    rows.append(("speed-up of batch-1 decode", f"{results[1]['b1'] / results[args.tp]['b1']:.2f}x"))
+        rows.append((f"{dtype} {label} decode", line))
+    for label, _, _ in runs[1:]:
+        pairs = zip(results["TP=1"]["tokens"], results[label]["tokens"], strict=True)
+        same = [shared_prefix(a, b) for a, b in pairs]
+        rows.append((f"{dtype} {label} greedy tokens shared with TP=1 (of 32)", str(same)))
+    speedup = results["TP=1"]["b1"] / results[f"TP={args.tp}"]["b1"]
+    rows.append(("speed-up of batch-1 decode", f"{speedup:.2f}x"))
     rows.append(("weights read per step (TP=1)", f"{full_weights / GiB:.2f} GiB"))
     if args.big and gpu:
         rows += big_model(args, work, bw)

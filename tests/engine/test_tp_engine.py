@@ -154,10 +154,18 @@ def test_kv_payloads_are_the_same_at_either_tp_size_and_hand_off_both_ways(dense
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_with_cuda_graphs_gives_the_tp1_tokens_on_two_gpus(make_checkpoint_module):
     """Both ranks capture their decode graphs (collectives inside) and replay them together:
-    float32 greedy tokens equal TP=1's, through async scheduling's chained steps too."""
+    float32 greedy tokens equal TP=1's, through async scheduling's chained steps too, with the
+    decode steps' sums on the one-shot all-reduce (fused with the norms) and with NCCL."""
     path = make_checkpoint_module("llama")
-    got = graphed_tokens_at_tp1_and_tp2(path, prompts([5, 21, 9, 40], seed=5))
+    reqs = prompts([5, 21, 9, 40], seed=5)
+
+    def one_shot(eng: LLMEngine, tp: int) -> None:
+        assert (eng.runner.model.tp.peer is not None) == (tp > 1)
+
+    got = graphed_tokens_at_tp1_and_tp2(path, reqs, one_shot)
     assert got[2] == got[1]
+    nccl = graphed_tokens_at_tp1_and_tp2(path, reqs, tp_all_reduce="nccl")
+    assert nccl[2] == got[1]
 
 
 def graphed_tokens_at_tp1_and_tp2(

@@ -174,6 +174,7 @@ def test_the_group_flags_are_validated():
         ({"tp_join": "10.0.0.1", "tp_rank": 1}, "tp_join"),  # no port
         ({"tp_join": "10.0.0.1:29500", "tp_rank": 2}, "tp_rank"),  # not in 1..1
         ({"tp_join": "10.0.0.1:29500", "tp_rank": 0}, "tp_rank"),  # rank 0 is the leader
+        ({"tp_all_reduce": "custom"}, "tp_all_reduce"),  # auto or nccl
     ]
     for fields, name in bad:
         with pytest.raises(ValidationError) as e:

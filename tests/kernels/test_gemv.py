@@ -72,6 +72,29 @@ def test_gated_gemv_is_the_projection_then_silu_and_mul(
     assert rel_err(gemv(x, w, bias, gated=True), gemv_ref(x, w, bias, gated=True)) < tol
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 20), (64, 256), (130, 72)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_parameter_weight_read_before_the_wait_gives_the_same_bits(
+    n: int, k: int, gated: bool
+) -> None:
+    """A model parameter's first tile is read before the kernel waits on its predecessor
+    (compiled with PDL on sm_90); the result is that of a plain tensor's launch, behind a
+    kernel that writes x, so x is read only after that write."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(2 * n, k, generator=g).to(DEVICE, torch.float16)
+    param = torch.nn.Parameter(w.clone(), requires_grad=False)
+    cfg = GemvConfig(block_n=4, block_k=32)
+    x0 = torch.randn(1, k, generator=g).to(DEVICE, torch.float16)
+    x = torch.empty_like(x0)
+    for _ in range(3):
+        x.copy_(x0)  # the previous kernel: x is its output
+        got = gemv(x, param, config=cfg, gated=gated)
+        x.copy_(x0)
+        want = gemv(x, w, config=cfg, gated=gated)
+        assert torch.equal(got, want)
+    assert rel_err(got, gemv_ref(x0, w, gated=gated)) < 4e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_float32_out_holds_the_rounded_result(dtype: torch.dtype) -> None:
     """The output head writing the sampler's float32 logits: the values of `.float()` of the

@@ -40,6 +40,7 @@ SETTINGS = {
     "tp_port": 29500,
     "tp_join": "10.0.0.1:29500",
     "tp_rank": 1,
+    "tp_all_reduce": "nccl",
     "quantization": "fp8",
     "load_format": "dummy",
     "simulate": False,

@@ -226,7 +226,8 @@ def run(
         )
         return 2
     store.set(f"joined/{rank}", "1")
-    tp, channel = join_group(store, rank, config.tensor_parallel_size, config.device)
+    size = config.tensor_parallel_size
+    tp, channel = join_group(store, rank, size, config.device, config.tp_all_reduce)
     loaded = load_shard(config, tp)
     op, counts, _ = channel.recv()
     if op == SIZE:  # the KV blocks this rank's memory holds; every rank allocates the fewest

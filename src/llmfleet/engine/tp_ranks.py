@@ -34,11 +34,14 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,9 @@ from llmfleet.models.loader import LoadedModel
 from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import LLMFleetError
+
+if TYPE_CHECKING:
+    from llmfleet.kernels.all_reduce import PeerAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -97,17 +103,66 @@ def backend_for(device: str) -> str:
 
 
 def join_group(
-    store: dist.Store, rank: int, size: int, device: str
+    store: dist.Store, rank: int, size: int, device: str, all_reduce: str = "auto"
 ) -> tuple[TensorParallel, StepChannel]:
     """Join the ranks' process group (every rank calls it): this rank's place, and the channel
-    rank 0's ops travel on (its ops over a second, gloo group when the ranks' group is NCCL)."""
+    rank 0's ops travel on (its ops over a second, gloo group when the ranks' group is NCCL).
+    `all_reduce` "auto": small sums over GPUs of one host take the one-shot all-reduce."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     backend = backend_for(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
     host = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else None
     tp = TensorParallel(rank=rank, size=size, group=None)  # None: the default group
+    if host is not None and all_reduce == "auto":
+        tp = dataclasses.replace(tp, peer=peer_all_reduce(tp, torch.device(device), host))
     return tp, StepChannel(tp.group, torch.device(device), host)
+
+
+def peer_all_reduce(
+    tp: TensorParallel, device: torch.device, host: dist.ProcessGroup
+) -> PeerAllReduce | None:
+    """The group's one-shot all-reduce (kernels/all_reduce.py) where every rank is a GPU of
+    this host that can read the others' memory; else None (NCCL takes every sum). Every rank
+    calls it, and all get one or all get None."""
+
+    def uuid(index: int) -> str:
+        return str(torch.cuda.get_device_properties(index).uuid)
+
+    boot = Path("/proc/sys/kernel/random/boot_id")  # one per boot of one machine
+    this_host = boot.read_text().strip() if boot.exists() else socket.gethostname()
+    where: list[tuple[str, str] | None] = [None] * tp.size
+    dist.all_gather_object(where, (this_host, uuid(device.index or 0)), group=host)
+    uuids = [w[1] for w in where if w is not None]
+    reason = ""
+    if len({w[0] for w in where if w is not None}) > 1:
+        reason = "the ranks are on several hosts"
+    else:
+        index = {uuid(i): i for i in range(torch.cuda.device_count())}
+        here = device.index or 0
+        if any(u not in index for u in uuids):
+            reason = "a rank's GPU is not visible to every rank"
+        elif any(
+            index[u] != here and not torch.cuda.can_device_access_peer(here, index[u])
+            for u in uuids
+        ):
+            reason = "a rank's GPU cannot read another's memory"
+    peer, error = None, reason
+    if not reason:
+        from llmfleet.kernels.all_reduce import PeerAllReduce  # Triton: GPUs only
+
+        try:
+            peer = PeerAllReduce(tp.group, device)
+        except Exception as e:  # symmetric memory unavailable here: NCCL serves
+            error = f"symmetric memory failed: {e}"
+    errors: list[str | None] = [None] * tp.size
+    dist.all_gather_object(errors, error, group=host)
+    failed = [e for e in errors if e]
+    if failed:
+        logger.info("tensor parallel: NCCL takes every all-reduce (%s)", failed[0])
+        return None
+    logger.info("tensor parallel: one-shot all-reduce over the GPUs' memory for small sums")
+    return peer
 
 
 class Ranks:
@@ -137,7 +192,8 @@ class Ranks:
         self.pending = False
         try:
             self._wait_joined(store, size)
-            self.tp, self.channel = join_group(store, 0, size, rank_device(config.device, 0))
+            device = rank_device(config.device, 0)
+            self.tp, self.channel = join_group(store, 0, size, device, config.tp_all_reduce)
         except BaseException:
             self._kill()
             raise

@@ -10,6 +10,11 @@ used once), and multiplies in float32 into a (BLOCK_N, BLOCK_K) accumulator that
 once at the end, so the loop is loads and FMAs only. No split-K: a row's sum stays in one
 program, so there is no workspace or atomic, and the result is deterministic.
 
+Launched under PDL (triton_utils.pdl_start), a program whose weight is a model parameter (an
+`nn.Parameter`: no kernel of the step writes it) reads its first weight tile before it waits on
+the kernel before it, so the weight stream begins while that kernel finishes; x is read only
+after the wait.
+
 Two epilogue options save a kernel each in a decode step:
   - gated: W is a fused [gate | up] (2I, K) projection and the result is the SwiGLU
     silu(x · gateᵀ) * (x · upᵀ), (1, I). Each program streams BLOCK_N rows of both halves;
@@ -29,9 +34,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmfleet.kernels.silu_and_mul import silu_mul_rounded
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl
 from llmfleet.kernels.tuned_configs import TunedConfigs
 
 
@@ -41,6 +47,23 @@ class GemvConfig:
     block_k: int  # columns per loop step
     num_warps: int = 4
     num_stages: int = 1
+
+
+@triton.jit
+def _weight_tile(ptrs, k0, K, offs_k, EVEN_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) tile of W at column k0 (zeros past K)."""
+    if EVEN_K:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    k_ok = k0 + offs_k < K
+    return tl.load(ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _x_tile(x_ptr, k0, K, offs_k, EVEN_K: tl.constexpr):
+    """x[k0 : k0 + BLOCK_K] in float32 (zeros past K)."""
+    if EVEN_K:
+        return tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+    return tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -59,33 +82,39 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    EARLY: tl.constexpr,  # W is not written in this kernel chain: read its first tile early
 ):
-    pdl_start(PDL)
+    # Under PDL the program starts while the kernel before it still runs (see pdl_start).
+    # A weight no kernel of the chain writes (a model parameter) is read before the wait: its
+    # first tile streams in while the previous kernel finishes (an all-reduce waiting on its
+    # peers, an attention kernel), so that time is not lost to the weight stream.
+    if PDL:
+        gdc_launch_dependents()
+        if not EARLY:
+            gdc_wait()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)  # clamped: the loads need no row mask
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = w_ptr + (rows + N)[:, None] * stride_wn + offs_k[None, :]  # GATED: up rows
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            xk = tl.load(x_ptr + k0 + offs_k)
-        else:
-            k_ok = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-        if GATED:
-            if EVEN_K:
-                u = tl.load(up_ptrs, eviction_policy="evict_first")
-            else:
-                u = tl.load(up_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc_up += u.to(tl.float32) * xk.to(tl.float32)[None, :]
-            up_ptrs += BLOCK_K
+    w = _weight_tile(w_ptrs, 0, K, offs_k, EVEN_K)
+    u = w
+    if GATED:
+        u = _weight_tile(up_ptrs, 0, K, offs_k, EVEN_K)
+    if PDL:
+        if EARLY:
+            gdc_wait()
+    xk = _x_tile(x_ptr, 0, K, offs_k, EVEN_K)
+    acc = w.to(tl.float32) * xk[None, :]
+    acc_up = u.to(tl.float32) * xk[None, :]  # (unused unless GATED)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
+        xk = _x_tile(x_ptr, k0, K, offs_k, EVEN_K)
+        acc += _weight_tile(w_ptrs, k0, K, offs_k, EVEN_K).to(tl.float32) * xk[None, :]
+        if GATED:
+            up_ptrs += BLOCK_K
+            acc_up += _weight_tile(up_ptrs, k0, K, offs_k, EVEN_K).to(tl.float32) * xk[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
@@ -193,6 +222,7 @@ def gemv(
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, GATED=gated,
         ROUND=out.dtype != x.dtype, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=chained,
+        EARLY=isinstance(weight, torch.nn.Parameter),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=chained,
     )  # fmt: skip
     return out

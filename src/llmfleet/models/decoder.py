@@ -42,17 +42,18 @@ from llmfleet.models.int4_linear import (
 from llmfleet.models.layers import (
     MLP,
     Attention,
+    DecoderLayer,
     Linear,
     RMSNorm,
     VocabParallelEmbedding,
     linear,
     load_shard,
+    summed_norm,
 )
 from llmfleet.models.moe import SparseMoE
 from llmfleet.models.parallel import SINGLE, Shard, TensorParallel, split_evenly, take_shard
 from llmfleet.models.rotary import (
     RotaryEmbedding,
-    RotaryPositions,
     rope_parameters,
 )
 from llmfleet.shared.core.errors import ModelLoadError
@@ -70,31 +71,6 @@ _EXPERT = re.compile(
 # transformers-5 native layout: experts already stacked.
 _STACKED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
 _SKIPPED = ("rotary_emb.inv_freq",)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-        self.mlp = mlp
-
-    def forward(
-        self,
-        h: torch.Tensor,  # (T, hidden)
-        residual: torch.Tensor | None,  # (T, hidden) or None before the first layer
-        rope: RotaryPositions,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 def _scaled(r: range, n: int) -> range:
@@ -190,14 +166,17 @@ class DecoderForCausalLM(CausalLM):
         residual: torch.Tensor | None = None
         wanted = self._captured_layers()
         captured: dict[int, torch.Tensor] = {}
+        pending: TensorParallel | None = None  # h is a part, to be summed over this group
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h, residual = layer(h, residual, rope, kv_cache, meta)
+            defer = None if i in wanted else layer.deferrable()
+            h, residual = layer(h, residual, rope, kv_cache, meta, pending, defer is not None)
+            pending = defer
             if i in wanted:  # the residual stream after layer i, (T, hidden)
                 captured[i] = h + residual
         self.aux_hidden = (
             torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         )  # (T, hidden * len(capture_layers)), in the listed order
-        h, _ = self.norm(h, residual)
+        h, _ = summed_norm(self.norm, h, residual, pending)
         return h
 
     def _captured_layers(self) -> list[int]:

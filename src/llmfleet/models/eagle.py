@@ -48,8 +48,7 @@ from torch import nn
 from llmfleet.models.attention.backend import AttentionBackend
 from llmfleet.models.attention.metadata import AttentionMetadata
 from llmfleet.models.checkpoint_files import iter_safetensors
-from llmfleet.models.decoder import DecoderLayer
-from llmfleet.models.layers import MLP, Attention, Linear, RMSNorm, load_shard
+from llmfleet.models.layers import MLP, Attention, DecoderLayer, Linear, RMSNorm, load_shard
 from llmfleet.models.rotary import RotaryEmbedding, rope_parameters
 from llmfleet.shared.core.errors import ModelLoadError
 

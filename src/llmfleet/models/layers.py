@@ -1,4 +1,5 @@
-"""Building blocks shared by every architecture: norm, activation, dense MLP, attention.
+"""Building blocks shared by every architecture: norm, activation, dense MLP, attention, and
+the pre-norm decoder layer made of them.
 
 Projections that are applied to the same input are fused into one weight (q/k/v into
 `qkv_proj`, gate/up into `gate_up_proj`); the HF checkpoint tensors are copied into row slices
@@ -7,7 +8,9 @@ of the fused weight by `load_shard`. Activations are flattened token-major: (T, 
 Tensor parallelism (parallel.py): given a `tp` of size > 1, attention keeps this rank's query
 and KV heads and the MLP its slice of the intermediate size (column-parallel qkv / gate_up);
 o_proj and down_proj are `RowParallelLinear` (partial sums, all-reduced, bias added once).
-At size 1 the modules are exactly the unsplit ones.
+A decoder layer leaves a bias-free row-parallel sum to the RMSNorm that follows it
+(`summed_norm`): where the ranks are GPUs of one host, summing, the residual add and the norm
+are one kernel (kernels/all_reduce.py). At size 1 the modules are exactly the unsplit ones.
 """
 
 from __future__ import annotations
@@ -127,6 +130,32 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+def unsummed(proj: nn.Module) -> TensorParallel | None:
+    """The group over which a row-parallel projection `proj` may leave its sum to the norm
+    after it (`summed_norm`, called with `reduce=False` on the module holding it): a plain
+    `RowParallelLinear` without bias. None for every other layer, which sums (and adds its
+    bias) itself."""
+    if type(proj) is RowParallelLinear and proj.bias is None:
+        return proj.tp
+    return None
+
+
+def summed_norm(
+    norm: RMSNorm,
+    x: torch.Tensor,  # (T, hidden): this rank's part of the sum, or all of it (tp None)
+    residual: torch.Tensor,  # (T, hidden)
+    tp: TensorParallel | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm(x summed over tp, residual)`: one kernel where the group's peer all-reduce takes
+    x (its GPUs read each other's rows, add and normalize), else the group's all-reduce and
+    then the norm. Returns (normed, new residual) as RMSNorm does."""
+    if tp is None:
+        return norm(x, residual)  # type: ignore[return-value]
+    if tp.peer is not None and tp.peer.fits(x):
+        return tp.peer(x, norm.weight, norm.eps, residual)
+    return norm(tp.all_reduce(x), residual)  # type: ignore[return-value]
+
+
 def row_parallel_group(linear: nn.Module) -> TensorParallel | None:
     """The group a layer replacing `linear` sums its partial outputs over (`rowwise_linear`'s
     `tp`): a `RowParallelLinear`'s, else None."""
@@ -209,11 +238,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * inter, bias=bias)
         self.down_proj = row_linear(inter, hidden_size, bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, hidden)
+        """`reduce=False` (where `unsummed(down_proj)`): this rank's part of the output."""
         gate_up = self.gate_up_proj
         if type(gate_up) is Linear:  # not replaced by a quantized layer
-            return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias))
-        return self.down_proj(silu_and_mul(gate_up(x)))  # via (T, 2I) -> (T, I)
+            y = gated_linear(x, gate_up.weight, gate_up.bias)
+        else:
+            y = silu_and_mul(gate_up(x))  # via (T, 2I) -> (T, I)
+        return self.down_proj(y) if reduce else linear(y, self.down_proj.weight)
 
     def shard_offset(self, hf_proj: str) -> int:
         """Row offset in gate_up_proj of the HF projection `gate_proj` or `up_proj`."""
@@ -264,6 +296,7 @@ class Attention(nn.Module):
         rope: RotaryPositions,
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
+        reduce: bool = True,  # False (where `unsummed(o_proj)`): this rank's part of the output
     ) -> torch.Tensor:  # (T, hidden)
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
@@ -273,4 +306,40 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # The backend rotates q and k (in place on GPUs, fused with its KV cache write).
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, rope=rope)  # (T, H, D)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        return self.o_proj(o) if reduce else linear(o, self.o_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        h: torch.Tensor,  # (T, hidden)
+        residual: torch.Tensor | None,  # (T, hidden) or None before the first layer
+        rope: RotaryPositions,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        pending: TensorParallel | None = None,
+        defer: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pending`: h is this rank's part of the previous layer's output, to be summed over
+        that group with the input norm. `defer` (where `deferrable`): the MLP's output comes
+        back unsummed likewise. A row-parallel o_proj's sum is always taken with the norm."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = summed_norm(self.input_layernorm, h, residual, pending)
+        attn_tp = unsummed(self.self_attn.o_proj)
+        h = self.self_attn(h, rope, kv_cache, meta, reduce=attn_tp is None)
+        h, residual = summed_norm(self.post_attention_layernorm, h, residual, attn_tp)
+        return (self.mlp(h, reduce=False) if defer else self.mlp(h)), residual
+
+    def deferrable(self) -> TensorParallel | None:
+        """The group this layer's MLP output may be left unsummed over (`defer`), or None."""
+        return unsummed(self.mlp.down_proj) if type(self.mlp) is MLP else None

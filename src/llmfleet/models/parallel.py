@@ -24,11 +24,14 @@ Shard = tuple[int, tuple[range, ...]]
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group. `group` is the torch.distributed
-    ProcessGroup of the `size` ranks (None at size 1, or for the default group)."""
+    ProcessGroup of the `size` ranks (None at size 1, or for the default group). `peer`, where
+    the ranks are GPUs of one host, is the group's one-shot all-reduce over their memory
+    (kernels/all_reduce.py): small sums go to it, the rest to the group's backend."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    peer: Any = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -36,6 +39,8 @@ class TensorParallel:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the group, in place; returns `t`."""
+        if self.peer is not None and self.peer.fits(t):
+            return self.peer(t)
         if self.size > 1:
             dist.all_reduce(t, group=self.group)
         return t

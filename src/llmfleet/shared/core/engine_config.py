@@ -59,6 +59,11 @@ class EngineConfig:
     tp_port: int = 0
     tp_join: str | None = None
     tp_rank: int | None = None
+    # How a CUDA group sums: "auto" sums of up to 64 rows (decode steps) with the one-shot
+    # all-reduce where the ranks are GPUs of one host that read each other's memory
+    # (kernels/all_reduce.py), fused with the norm after it, and NCCL elsewhere; "nccl" always
+    # NCCL.
+    tp_all_reduce: str = "auto"
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
     quantization: str | None = None
@@ -147,6 +152,8 @@ class EngineConfig:
             raise ValidationError("tp_port", f"must be a port number, got {self.tp_port}")
         if local is not None and local < size and self.tp_port == 0:
             raise ValidationError("tp_port", "ranks that join from other machines need a port")
+        if self.tp_all_reduce not in ("auto", "nccl"):
+            raise ValidationError("tp_all_reduce", f"auto or nccl, not {self.tp_all_reduce!r}")
         if (self.tp_join is None) != (self.tp_rank is None):
             raise ValidationError("tp_join", "tp_join and tp_rank go together")
         if self.tp_join is not None:

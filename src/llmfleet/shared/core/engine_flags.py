@@ -60,6 +60,9 @@ HELP = {
     "tp_join": "run one rank of another worker's tensor-parallel group: the leader's HOST:PORT "
     "(its --tp-port); takes its model and settings, never registers with a router",
     "tp_rank": "with --tp-join: this process's rank in the group, 1..N-1",
+    "tp_all_reduce": "auto: decode-size sums over GPUs of one host read each other's memory in "
+    "one kernel with the norm after them, NCCL elsewhere; nccl: NCCL for every sum (default "
+    "auto)",
     "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
     "16-bit dtype)",
     "load_format": "auto: the checkpoint's weights; dummy: its config and tokenizer with random "
@@ -77,7 +80,11 @@ NESTED = ("speculative",)
 # A tensor-parallel group spanning machines (a worker's own flags): `llmfleet up` starts every
 # rank on this machine, so it has none of these.
 TP_GROUP_FLAGS = ("tp_local_ranks", "tp_port", "tp_join", "tp_rank")
-_CHOICES = {"quantization": ["fp8"], "load_format": ["auto", "dummy"]}
+_CHOICES = {
+    "quantization": ["fp8"],
+    "load_format": ["auto", "dummy"],
+    "tp_all_reduce": ["auto", "nccl"],
+}
 
 
 def _base_type(hint: Any) -> Any:

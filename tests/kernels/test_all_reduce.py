@@ -1,0 +1,114 @@
+"""The one-shot all-reduce kernel (kernels/all_reduce.py), one rank's call in one process: the
+peers' rows and their signals are put in place first, as the peers would have written them
+over NVLink, so the call runs to its end on one device (the interpreter on a CPU). The
+two-GPU run is tests/engine/test_tp_gpu.py's and benchmarks/tp_decode_bench.py's."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from llmfleet.kernels.all_reduce import (  # noqa: E402
+    MAX_ROWS,
+    ROW_BYTES,
+    SLOTS,
+    all_reduce_ref,
+    launch,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INT32_MAX = 2**31 - 1
+
+
+class Buffers:
+    """Every rank's data and flags in this process (what `PeerAllReduce` maps), seen as rank
+    `rank`'s call would see them."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        cells = SLOTS * MAX_ROWS
+        self.data = [
+            torch.zeros(cells * ROW_BYTES, dtype=torch.uint8, device=DEVICE) for _ in range(world)
+        ]
+        self.flags = [
+            torch.zeros(cells * world, dtype=torch.int32, device=DEVICE) for _ in range(world)
+        ]
+        self.data_ptrs = torch.tensor([t.data_ptr() for t in self.data], device=DEVICE)
+        self.flag_ptrs = torch.tensor([t.data_ptr() for t in self.flags], device=DEVICE)
+        self.seq = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEVICE)
+
+    def row(self, rank: int, number: int, row: int, hidden: int, dtype: torch.dtype):
+        """Rank `rank`'s buffer row of call `number` on row `row`, as `dtype`."""
+        per_row = ROW_BYTES // dtype.itemsize
+        start = ((number & 1) * MAX_ROWS + row) * per_row
+        return self.data[rank].view(dtype)[start : start + hidden]
+
+    def flag(self, rank: int, number: int, row: int, source: int) -> torch.Tensor:
+        return self.flags[rank][((number & 1) * MAX_ROWS + row) * self.world + source]
+
+    def peers_ready(self, number: int, parts: list[torch.Tensor]) -> None:
+        """The peers have written their rows for call `number` and signalled this rank."""
+        for p, part in enumerate(parts):
+            if p == self.rank:
+                continue
+            for r in range(part.shape[0]):
+                self.row(p, number, r, part.shape[1], part.dtype).copy_(part[r])
+                self.flag(self.rank, number, r, p).fill_(number)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", ["sum", "norm", "residual"])
+def test_a_rank_sums_its_peers_rows_and_signals_them(
+    world: int, rank: int, dtype: torch.dtype, mode: str
+) -> None:
+    rows, hidden = 3, 96
+    bufs = Buffers(rank, world)
+    parts = [torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(world)]
+    weight = torch.randn(hidden, device=DEVICE).to(dtype) if mode != "sum" else None
+    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype) if mode == "residual" else None
+    bufs.peers_ready(1, parts)
+    x = parts[rank].clone()
+    got = launch(bufs, x, weight, 1e-6, residual)
+    want = all_reduce_ref(parts, weight, 1e-6, residual)
+    if mode == "sum":
+        assert got is x  # in place
+        assert torch.equal(got, want)  # the same additions in the same order
+    else:
+        assert torch.equal(got[1], want[1])  # the residual stream: every rank's bits alike
+        assert rel_err(got[0], want[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for r in range(rows):  # its own row is in its buffer, and every peer was told
+        assert torch.equal(bufs.row(rank, 1, r, hidden, dtype), parts[rank][r])
+        for p in range(world):
+            assert bufs.flag(p, 1, r, rank).item() == (1 if p != rank else 0)
+    assert bufs.seq.tolist() == [1] * rows + [0] * (MAX_ROWS - rows)
+
+
+def test_consecutive_calls_alternate_slots_and_a_wrapped_number_still_meets() -> None:
+    rows, hidden, dtype = 2, 64, torch.float16
+    bufs = Buffers(0, 2)
+    bufs.seq.fill_(INT32_MAX - 1)
+    for number in (INT32_MAX, -(2**31), -(2**31) + 1):  # odd, then wrapped even, odd
+        parts = [torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(2)]
+        bufs.peers_ready(number, parts)
+        got = launch(bufs, parts[0].clone(), None, 1e-6, None)
+        assert torch.equal(got, all_reduce_ref(parts))
+        assert bufs.seq[0].item() == number
+        assert torch.equal(bufs.row(0, number, 1, hidden, dtype), parts[0][1])
+        assert bufs.flag(1, number, 0, 0).item() == number
+
+
+def test_a_residual_needs_the_norm() -> None:
+    bufs = Buffers(0, 2)
+    x = torch.randn(1, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="residual"):
+        launch(bufs, x, None, 1e-6, torch.randn(1, 32, device=DEVICE))
