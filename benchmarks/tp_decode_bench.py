@@ -109,6 +109,8 @@ def profile(args: argparse.Namespace, work: Path, device: str, sizes: dict) -> N
         print(avg.table(sort_by="self_cpu_time_total", row_limit=25))
         if gpu:
             print(avg.table(sort_by="self_cuda_time_total", row_limit=15))
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
 
     with_engine(big, args.tp, device, str(torch_dtype).removeprefix("torch."), run)
 
@@ -178,6 +180,7 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/llmfleet-tp-bench")
     p.add_argument("--steps", type=int, default=64, help="decode steps per timing run")
     p.add_argument("--profile", action="store_true", help="only: profile TP=N batch-1 decode")
+    p.add_argument("--trace", help="with --profile: write the Chrome trace (JSON) here")
     p.add_argument("--big", action="store_true", help="also: the 70B shape at TP=N (dummy)")
     p.add_argument("--only-big", action="store_true", help="only step 4 (with step 1)")
     p.add_argument("--skip-check", action="store_true", help="leave out step 2")

@@ -7,6 +7,7 @@ poisoned with NaN before each run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -118,6 +119,26 @@ def test_decode_spreads_each_sequence_over_a_grid_sized_for_a_bound(
     args = (q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125)
     out = paged_attention_decode(*args, bound, out=torch.full_like(q, float("nan")), config=cfg)
     assert rel_err(out, paged_attention_decode_ref(*args, batch.max_seq_len)) < FP32_TOL
+
+
+def test_the_last_program_combines_as_the_reduction_kernel_does() -> None:
+    """Split contexts combined by the last program of each (sequence, KV head) to finish,
+    launch after launch (the counters re-arm), against the second reduction kernel; short
+    sequences in a grid sized for a long bound leave most partitions empty."""
+    import llmfleet.kernels.paged_attention_decode as decode
+
+    lens = [1, 15, 16, 17, 47, 80, 200]
+    batch = PagedBatch(lens, 2, 64, 16, torch.float32, DEVICE, seed=11)
+    q = torch.randn(len(lens), 8, 64, device=DEVICE)
+    args = (q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125, 256)
+    two = DecodeConfig(block_n=16, num_warps=1, num_stages=1, partition_size=32, reduce_last=False)
+    one = dataclasses.replace(two, reduce_last=True)
+    want = paged_attention_decode(*args, out=torch.full_like(q, float("nan")), config=two)
+    for _ in range(3):
+        got = paged_attention_decode(*args, out=torch.full_like(q, float("nan")), config=one)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert not decode._arrivals[q.device].any()  # every counter back at zero
+    assert rel_err(got, paged_attention_decode_ref(*args)) < FP32_TOL
 
 
 def test_choose_partitions() -> None:

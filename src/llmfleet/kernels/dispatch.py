@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import llmfleet.kernels.argmax as _argmax
 import llmfleet.kernels.gemv as _gemv
 import llmfleet.kernels.int4_matmul as _i4
 import llmfleet.kernels.int4_pack as _i4p
@@ -221,3 +222,18 @@ def fp8_linear(
         return _smm.scaled_mm(q, weight, scale, weight_scale, out_dtype)
     q, scale = _quant.per_token_quant_ref(x)
     return _smm.scaled_mm_ref(q, weight, scale, weight_scale, out_dtype)
+
+
+def argmax(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:  # (B, V) -> (B,)
+    """`x.argmax(dim=-1)`: the two-pass Triton argmax for up to `MAX_ROWS` float32 rows
+    (greedy sampling's rows over a vocabulary), torch's elsewhere."""
+    if (
+        use_triton(x, force_triton)
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and 0 < x.shape[0] <= _argmax.MAX_ROWS
+        and x.shape[1] > 0
+        and x.stride(-1) == 1
+    ):
+        return _argmax.argmax(x)
+    return x.argmax(dim=-1)

@@ -19,7 +19,10 @@ GROUP = num_heads // num_kv_heads query heads that share that KV head (the group
 
 m is the running max of the scaled scores (base 2), l the running sum of exp2(s - m), acc the
 unnormalised sum of exp2(s - m) * v. With a single partition the first kernel normalises and
-writes the output directly and the reduction is not launched.
+writes the output directly and the reduction is not launched. With several, the program of
+each (seq, KV head) that finishes last (an arrival counter per pair, `DecodeConfig.reduce_last`)
+combines its heads' partitions itself, so a decode step's attention stays one kernel; the
+counters live on the device, zeroed once and re-armed by that program.
 
 Partition size. The grid has `num_parts` partitions per sequence, fixed on the host from the
 bound `max_seq_len` (inside a CUDA graph that is the static `max_model_len`). Each sequence
@@ -57,9 +60,10 @@ def _decode_partial_kernel(
     kv_ptr,  # (2, num_blocks, CACHE_BLOCK, num_kv_heads, HEAD_DIM), unit stride in HEAD_DIM
     block_tables_ptr,  # int32 (num_seqs, max_blocks_per_seq)
     seq_lens_ptr,  # int32 (num_seqs,)
-    out_ptr,  # (num_seqs, num_heads, HEAD_DIM): written only when SINGLE_PARTITION
+    out_ptr,  # (num_seqs, num_heads, HEAD_DIM): written when SINGLE_PARTITION or REDUCE_LAST
     part_acc_ptr,  # fp32 (num_seqs, num_heads, num_parts, HEAD_DIM) contiguous
     part_ml_ptr,  # fp32 (2, num_seqs, num_heads, num_parts) contiguous: [0] = m, [1] = l
+    arrived_ptr,  # int32 (num_seqs * num_kv_heads,) zeros: programs done per (seq, kv head)
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     min_partition,  # fewest tokens per partition, a multiple of BLOCK_N
     num_parts,  # partitions per sequence (grid dim 2)
@@ -80,6 +84,8 @@ def _decode_partial_kernel(
     CACHE_BLOCK: tl.constexpr,  # tokens per cache block (power of two)
     BLOCK_N: tl.constexpr,  # tokens per inner iteration
     SINGLE_PARTITION: tl.constexpr,
+    REDUCE_LAST: tl.constexpr,  # the last program of a (seq, kv head) combines the partitions
+    REDUCE_PARTS: tl.constexpr,  # partitions REDUCE_LAST combines per step
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     pdl_start(PDL)
@@ -89,14 +95,42 @@ def _decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
     start = part * partition_size
-    if start >= seq_len:
-        return  # nothing to read; the reduction ignores partitions past the end
-    end = tl.minimum(start + partition_size, seq_len)
-
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g  # (BLOCK_G,) query heads of this group
     gmask = g < GROUP
+    if start < seq_len:  # else nothing to read; the reduction ignores partitions past the end
+        _attend_partition(
+            q_ptr, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+            num_parts, stride_ml, stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+            stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
+            seq, kv_head, part, start, tl.minimum(start + partition_size, seq_len), heads,
+            gmask, NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N, SINGLE_PARTITION,
+        )  # fmt: skip
+    if REDUCE_LAST:
+        tl.debug_barrier()  # this program's partials are stored before it reports
+        counter = arrived_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_parts - 1:
+            tl.store(counter, 0)  # re-armed for the next launch (a graph replays this one)
+            _combine_partitions(
+                out_ptr, part_acc_ptr, part_ml_ptr, seq, heads, gmask,
+                tl.cdiv(seq_len, partition_size), num_parts, stride_ml, stride_o_seq,
+                stride_o_head, NUM_HEADS, BLOCK_G, HEAD_DIM, REDUCE_PARTS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _attend_partition(
+    q_ptr, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, num_parts,
+    stride_ml, stride_q_seq, stride_q_head, stride_o_seq, stride_o_head, stride_c_kv,
+    stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
+    seq, kv_head, part, start, end, heads, gmask,
+    NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
+):  # fmt: skip
+    """Tokens [start, end) of one KV head against its query heads: the normalized output
+    (SINGLE_PARTITION), else the partition's (m, l, acc) per query head."""
+
+    d = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
         mask=gmask[:, None],
@@ -134,6 +168,43 @@ def _decode_partial_kernel(
         tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(part_ml_ptr + idx, m_i, mask=gmask)
         tl.store(part_ml_ptr + stride_ml + idx, l_i, mask=gmask)
+
+
+@triton.jit
+def _combine_partitions(
+    out_ptr, part_acc_ptr, part_ml_ptr, seq, heads, gmask, used, num_parts, stride_ml,
+    stride_o_seq, stride_o_head,
+    NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
+):  # fmt: skip
+    """The reduction of the module docstring for the query heads `heads` of one sequence,
+    PARTS partitions a step (a running max and sums), written to out. The partials were
+    stored by other programs of this launch: read from L2 (.cg), past this SM's L1."""
+    d = tl.arange(0, HEAD_DIM)
+    base = (seq.to(tl.int64) * NUM_HEADS + heads) * num_parts  # (BLOCK_G,)
+    m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_G], tl.float32)
+    acc_run = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for p0 in range(0, used, PARTS):
+        p = p0 + tl.arange(0, PARTS)
+        ok = gmask[:, None] & (p < used)[None, :]  # (BLOCK_G, PARTS)
+        idx = base[:, None] + p[None, :]
+        m = tl.load(part_ml_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_p = tl.load(part_ml_ptr + stride_ml + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(
+            part_acc_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
+            mask=ok[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # (BLOCK_G, PARTS, HEAD_DIM)
+        m_new = tl.maximum(m_run, tl.max(m, axis=1))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new[:, None])  # (BLOCK_G, PARTS); 0 where masked
+        l_run = l_run * alpha + tl.sum(w * l_p, axis=1)
+        acc_run = acc_run * alpha[:, None] + tl.sum(acc * w[:, :, None], axis=1)
+        m_run = m_new
+    out = acc_run / l_run[:, None]
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
+    tl.store(o_ptrs + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
@@ -189,6 +260,9 @@ class DecodeConfig:
     # Auto mode's fewest tokens per partition: below it the partial results' round trip
     # (fp32 acc, m, l per query head) stops paying for the extra parallelism.
     min_partition: int = 128
+    # Split contexts: the last program of each (sequence, KV head) to finish combines the
+    # partitions (one kernel) instead of a second reduction kernel.
+    reduce_last: bool = True
 
 
 def default_decode_config() -> DecodeConfig:
@@ -241,6 +315,25 @@ def _check(
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
 
 
+ARRIVAL_COUNTERS = 1 << 16  # (sequence, KV head) pairs a launch may reduce in its last program
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor | None:
+    """This device's zeroed arrival counters, which every launch leaves zeroed again; None
+    while a CUDA graph is being captured before they exist (that launch reduces in a second
+    kernel), since memory allocated during a capture belongs to that graph. Decode attention
+    on one device runs on one stream at a time, so launches never share them concurrently."""
+    counters = _arrivals.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _arrivals[device] = torch.zeros(
+            ARRIVAL_COUNTERS, dtype=torch.int32, device=device
+        )
+    return counters
+
+
 def paged_attention_decode(
     q: torch.Tensor,  # (num_seqs, num_heads, head_dim): the one new token of each sequence
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -287,6 +380,9 @@ def paged_attention_decode(
             (2, num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device
         )
     chained = pdl(q.device)
+    arrived = None if single or not cfg.reduce_last else _arrival_counters(q.device)
+    if arrived is not None and arrived.numel() < num_seqs * num_kv_heads:
+        arrived = None  # more (sequence, KV head) pairs than counters: the reduction kernel
     launchable(_decode_partial_kernel)[(num_seqs, num_kv_heads, num_parts)](
         q,
         kv_cache,
@@ -295,6 +391,7 @@ def paged_attention_decode(
         out,
         part_acc,
         part_ml,
+        arrived if arrived is not None else seq_lens,
         scale * LOG2E,
         min_part,
         num_parts,
@@ -307,12 +404,14 @@ def paged_attention_decode(
         CACHE_BLOCK=cache_block,
         BLOCK_N=cfg.block_n,
         SINGLE_PARTITION=single,
+        REDUCE_LAST=arrived is not None,
+        REDUCE_PARTS=4,
         PDL=chained,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=chained,
     )
-    if not single:
+    if not single and arrived is None:
         launchable(_decode_reduce_kernel)[(num_seqs, num_heads)](
             seq_lens,
             out,

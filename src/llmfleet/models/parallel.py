@@ -49,6 +49,12 @@ class TensorParallel:
         """Every rank's `t` (all of one shape) concatenated along `dim` in rank order."""
         if self.size == 1:
             return t
+        if t.is_cuda:  # one flat buffer, no copies out of it where the layout allows a view
+            flat = t.new_empty((self.size, *t.shape))  # (size, *t.shape)
+            dist.all_gather_into_tensor(flat, t.contiguous(), group=self.group)
+            d = dim % t.dim()
+            full = flat.movedim(0, d)  # (..., size, t.shape[d], ...)
+            return full.reshape(*t.shape[:d], self.size * t.shape[d], *t.shape[d + 1 :])
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from llmfleet.engine.request import Request
-from llmfleet.engine.sampler import SamplingRow, probabilities, race, small_tensor
+from llmfleet.engine.sampler import SamplingRow, greedy_ids, probabilities, race, small_tensor
 
 
 def pick_tokens(
@@ -20,7 +20,7 @@ def pick_tokens(
     at: Sequence[int],  # row i's index into q
 ) -> torch.Tensor:  # (n,) int64 on the logits' device
     """Row i's draft token; a drawn row's distribution (normalized) is appended to q[at[i]]."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_ids(logits)
     drawn = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
     if not drawn:
         return tokens

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from llmfleet.engine.sampler import SamplingRow, probabilities, race, select_rows, small_tensor
+from llmfleet.engine.sampler import (
+    SamplingRow,
+    greedy_ids,
+    probabilities,
+    race,
+    select_rows,
+    small_tensor,
+)
 
 
 @dataclass
@@ -55,7 +62,7 @@ def rejection_sample(logits: torch.Tensor, seqs: Sequence[Verify]) -> list[list[
     greedy = [i for i, s in enumerate(seqs) if s.row.params.temperature == 0.0]
     if greedy:
         rows = [r for i in greedy for r in range(starts[i], starts[i + 1])]
-        targets = select_rows(logits, rows).argmax(dim=-1).tolist()
+        targets = greedy_ids(select_rows(logits, rows)).tolist()
         at = 0
         for i in greedy:
             out[i] = _accept_greedy(seqs[i].drafts, targets[at : at + counts[i]])
