@@ -26,37 +26,45 @@ INT32_MAX = 2**31 - 1
 
 class Buffers:
     """Every rank's data and flags in this process (what `PeerAllReduce` maps), seen as rank
-    `rank`'s call would see them."""
+    `rank`'s call would see them; `push` as the kernel's mode."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
-        cells = SLOTS * MAX_ROWS
+    def __init__(self, rank: int, world: int, push: bool = True) -> None:
+        self.rank, self.world, self.push = rank, world, push
+        cells = SLOTS * MAX_ROWS * world
         self.data = [
             torch.zeros(cells * ROW_BYTES, dtype=torch.uint8, device=DEVICE) for _ in range(world)
         ]
-        self.flags = [
-            torch.zeros(cells * world, dtype=torch.int32, device=DEVICE) for _ in range(world)
-        ]
+        self.flags = [torch.zeros(cells, dtype=torch.int32, device=DEVICE) for _ in range(world)]
         self.data_ptrs = torch.tensor([t.data_ptr() for t in self.data], device=DEVICE)
         self.flag_ptrs = torch.tensor([t.data_ptr() for t in self.flags], device=DEVICE)
         self.seq = torch.zeros(MAX_ROWS, dtype=torch.int32, device=DEVICE)
 
-    def row(self, rank: int, number: int, row: int, hidden: int, dtype: torch.dtype):
-        """Rank `rank`'s buffer row of call `number` on row `row`, as `dtype`."""
+    def cell(self, number: int, row: int, source: int) -> int:
+        return ((number & 1) * MAX_ROWS + row) * self.world + source
+
+    def row(self, rank: int, number: int, row: int, source: int, hidden: int, dtype):
+        """Rank `rank`'s buffer cell holding `source`'s row `row` of call `number`."""
         per_row = ROW_BYTES // dtype.itemsize
-        start = ((number & 1) * MAX_ROWS + row) * per_row
+        start = self.cell(number, row, source) * per_row
         return self.data[rank].view(dtype)[start : start + hidden]
 
     def flag(self, rank: int, number: int, row: int, source: int) -> torch.Tensor:
-        return self.flags[rank][((number & 1) * MAX_ROWS + row) * self.world + source]
+        return self.flags[rank][self.cell(number, row, source)]
+
+    def sent(self, number: int, r: int, hidden: int, dtype) -> list[torch.Tensor]:
+        """Where this rank's row `r` of call `number` went: each peer's buffer (push), else
+        its own."""
+        peers = [p for p in range(self.world) if p != self.rank] if self.push else [self.rank]
+        return [self.row(p, number, r, self.rank, hidden, dtype) for p in peers]
 
     def peers_ready(self, number: int, parts: list[torch.Tensor]) -> None:
         """The peers have written their rows for call `number` and signalled this rank."""
         for p, part in enumerate(parts):
             if p == self.rank:
                 continue
+            at = self.rank if self.push else p  # in this rank's buffer, or in their own
             for r in range(part.shape[0]):
-                self.row(p, number, r, part.shape[1], part.dtype).copy_(part[r])
+                self.row(at, number, r, p, part.shape[1], part.dtype).copy_(part[r])
                 self.flag(self.rank, number, r, p).fill_(number)
 
 
@@ -68,11 +76,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["sum", "norm", "residual"])
+@pytest.mark.parametrize("push", [True, False])
 def test_a_rank_sums_its_peers_rows_and_signals_them(
-    world: int, rank: int, dtype: torch.dtype, mode: str
+    world: int, rank: int, dtype: torch.dtype, mode: str, push: bool
 ) -> None:
     rows, hidden = 3, 96
-    bufs = Buffers(rank, world)
+    bufs = Buffers(rank, world, push)
     parts = [torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(world)]
     weight = torch.randn(hidden, device=DEVICE).to(dtype) if mode != "sum" else None
     residual = torch.randn(rows, hidden, device=DEVICE).to(dtype) if mode == "residual" else None
@@ -86,8 +95,9 @@ def test_a_rank_sums_its_peers_rows_and_signals_them(
     else:
         assert torch.equal(got[1], want[1])  # the residual stream: every rank's bits alike
         assert rel_err(got[0], want[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
-    for r in range(rows):  # its own row is in its buffer, and every peer was told
-        assert torch.equal(bufs.row(rank, 1, r, hidden, dtype), parts[rank][r])
+    for r in range(rows):  # its row went where its peers read it, and every peer was told
+        for cell in bufs.sent(1, r, hidden, dtype):
+            assert torch.equal(cell, parts[rank][r])
         for p in range(world):
             assert bufs.flag(p, 1, r, rank).item() == (1 if p != rank else 0)
     assert bufs.seq.tolist() == [1] * rows + [0] * (MAX_ROWS - rows)
@@ -103,7 +113,7 @@ def test_consecutive_calls_alternate_slots_and_a_wrapped_number_still_meets() ->
         got = launch(bufs, parts[0].clone(), None, 1e-6, None)
         assert torch.equal(got, all_reduce_ref(parts))
         assert bufs.seq[0].item() == number
-        assert torch.equal(bufs.row(0, number, 1, hidden, dtype), parts[0][1])
+        assert torch.equal(bufs.sent(number, 1, hidden, dtype)[0], parts[0][1])
         assert bufs.flag(1, number, 0, 0).item() == number
 
 

@@ -6,23 +6,26 @@ residual add and RMSNorm that follow a row-parallel projection in a decoder laye
     all_reduce(x, weight, eps, r)      -> (rms_norm(s, w), s),   s = sum of x + r
 
 A batch-1 decode step at TP=2 makes 64 all-reduces of 8 KiB on a Llama-3-8B shape. NCCL takes
-about 10 us for each, and the add + norm after it is another launch. Here every rank's GPU reads
-its peers' rows straight from their memory over NVLink, in the same kernel that adds and
+about 10 us for each, and the add + norm after it is another launch. Here every rank's GPU writes
+its row straight into its peers' memory over NVLink, in the same kernel that adds and
 normalizes, so each all-reduce is one short kernel.
 
 Memory (torch symmetric memory: every rank maps every other rank's buffers):
 
-    data  (per rank): [slot 0 | slot 1], a slot = MAX_ROWS rows of ROW_BYTES bytes
+    data  (per rank): cells [slot][row][source rank] of ROW_BYTES: the sources' rows
     flags (per rank): int32 [slot][row][source rank]; written by the source rank, over NVLink
     seq   (local):    int32 [row], the calls row `row` has taken part in
 
 Program `row` of a call: seq[row] += 1 (the new value is the call's number, its parity the
-slot); copy this rank's row into its own buffer; write the number into flags[slot][row][me]
-of every peer (release, system scope); wait until its own flags[slot][row][p] hold the number
-for every peer p (acquire); sum the rows in rank order (every rank adds in the same order, so
-all get the same bits); add, normalize, store.
+slot); write this rank's row into cell [slot][row][me] of every peer's buffer (`push`; else
+of its own, where the peers read it); write the number into flags[slot][row][me] of every
+peer (release, system scope: the row lands before the flag); wait until its own
+flags[slot][row][p] hold the number for every peer p (acquire); sum the rows in rank order
+from its own buffer (every rank adds in the same order, so all get the same bits); add,
+normalize, store. Pushing costs one NVLink crossing where reading the peers' buffers costs a
+signal and then a read's round trip.
 
-Why two slots are enough: a peer overwrites its slot-s row only at the call after next on that
+Why two slots are enough: a peer rewrites a slot-s cell only at the call after next on that
 row, and to get there it must pass the next call's wait, which needs this rank's signal for
 that call, which this rank sends only after the current call (stream order). Every rank runs
 the same calls with the same row counts (tensor parallelism requires it), so the per-row
@@ -44,10 +47,10 @@ from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable,
 
 MAX_ROWS = 64  # rows a call may have
 ROW_BYTES = 32 << 10  # bytes a row may have: hidden 8192 in float32, 16384 in 16 bits
-# Bytes a call may have: 16 rows of Llama-3-8B's bf16 hidden state. Every program reads whole
-# rows from its peers, which stops paying beyond this (2x H200, hidden 4096: 1.65x NCCL + the
-# norm's kernel at 1 row, 1.14x at 16, 0.72x at 64); larger sums go to NCCL.
-MAX_BYTES = 128 << 10
+# Bytes a call may have: 64 rows of Llama-3-8B's bf16 hidden state, as far as it was measured
+# (2x H200, hidden 4096: 1.89x NCCL + the norm's kernel at 1 row, 1.64x at 64); larger sums go
+# to NCCL.
+MAX_BYTES = 512 << 10
 SLOTS = 2
 
 
@@ -72,6 +75,7 @@ def _all_reduce_kernel(
     MAX_ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
+    PUSH: tl.constexpr,  # write the row into the peers' buffers (else they read this one's)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     pdl_start(PDL)
@@ -85,8 +89,14 @@ def _all_reduce_kernel(
     tl.store(seq_ptr + row, seq)
     cell = (seq & 1) * MAX_ROWS + row  # (slot, row); & keeps a wrapped number's parity
     mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
-    tl.store(mine + cell * ROW_ELEMS + cols, x, mask=mask)
-    tl.debug_barrier()  # the row is in the buffer before any peer is told
+    if PUSH:  # this rank's row into every peer's buffer: the peers then read locally
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                theirs = tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
+                tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, x, mask=mask)
+    else:  # into its own buffer, where the peers read it
+        tl.store(mine + (cell * WORLD + RANK) * ROW_ELEMS + cols, x, mask=mask)
+    tl.debug_barrier()  # the row is written before any peer is told
     for p in tl.static_range(WORLD):
         if p != RANK:
             flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
@@ -102,9 +112,9 @@ def _all_reduce_kernel(
         if p == RANK:
             acc += x.to(tl.float32)
         else:
-            theirs = tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
-            part = tl.load(theirs + cell * ROW_ELEMS + cols, mask=mask, other=0.0, volatile=True)
-            acc += part.to(tl.float32)
+            src = mine if PUSH else tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
+            at = src + (cell * WORLD + p) * ROW_ELEMS + cols
+            acc += tl.load(at, mask=mask, other=0.0, volatile=True).to(tl.float32)
     s = acc.to(dtype)  # the sum as NCCL would return it
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
@@ -124,23 +134,26 @@ class PeerAllReduce:
     """The one-shot all-reduce of one process group whose ranks are GPUs of this host (every
     rank builds one, collectively). `fits` says which tensors it takes; others go to NCCL."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, push: bool = True
+    ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = device
         group = group if group is not None else dist.group.WORLD
-        # (slot, row) cells of ROW_BYTES, and (slot, row, source) flags
-        cells = SLOTS * MAX_ROWS
+        # (slot, row, source) cells of ROW_BYTES, and (slot, row, source) flags
+        cells = SLOTS * MAX_ROWS * self.world
         self._data = symm_mem.empty(cells * ROW_BYTES, dtype=torch.uint8, device=device)
-        self._flags = symm_mem.empty(cells * self.world, dtype=torch.int32, device=device)
+        self._flags = symm_mem.empty(cells, dtype=torch.int32, device=device)
         self._flags.zero_()
         self._handles = [symm_mem.rendezvous(t, group) for t in (self._data, self._flags)]
         ptrs = [h.buffer_ptrs for h in self._handles]
         self.data_ptrs = torch.tensor(ptrs[0], dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(ptrs[1], dtype=torch.int64, device=device)
         self.seq = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        self.push = push
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before anyone signals
 
@@ -178,6 +191,7 @@ class PeerState(Protocol):
     data_ptrs: torch.Tensor  # int64 (world,)
     flag_ptrs: torch.Tensor  # int64 (world,)
     seq: torch.Tensor  # int32 (MAX_ROWS,)
+    push: bool
 
 
 def launch(
@@ -207,7 +221,7 @@ def launch(
         weight if norm else x, out, total, eps,
         RANK=peer.rank, WORLD=peer.world, H=hidden, BLOCK=block,
         ROW_ELEMS=ROW_BYTES // x.element_size(), MAX_ROWS=MAX_ROWS,
-        HAS_RESIDUAL=residual is not None, NORM=norm, PDL=chained,
+        HAS_RESIDUAL=residual is not None, NORM=norm, PUSH=peer.push, PDL=chained,
         num_warps=min(max(block // 256, 1), 16), launch_pdl=chained,
     )  # fmt: skip
     return (out, total) if norm else out
