@@ -132,7 +132,10 @@ def _all_reduce_kernel(
 
 class PeerAllReduce:
     """The one-shot all-reduce of one process group whose ranks are GPUs of this host (every
-    rank builds one, collectively). `fits` says which tensors it takes; others go to NCCL."""
+    rank builds one, collectively). `fits` says which tensors it takes; others go to NCCL.
+    `push` (as served) writes each row into the peers' buffers; False has the peers read it
+    from this rank's (slower past a few rows; benchmarks/all_reduce_bench.py compares them).
+    Every rank must use the same mode for a call."""
 
     def __init__(
         self, group: dist.ProcessGroup | None, device: torch.device, push: bool = True

@@ -147,8 +147,8 @@ def summed_norm(
     tp: TensorParallel | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm(x summed over tp, residual)`: one kernel where the group's peer all-reduce takes
-    x (its GPUs read each other's rows, add and normalize), else the group's all-reduce and
-    then the norm. Returns (normed, new residual) as RMSNorm does."""
+    x (its GPUs write their rows into each other's memory, then add and normalize), else the
+    group's all-reduce and then the norm. Returns (normed, new residual) as RMSNorm does."""
     if tp is None:
         return norm(x, residual)  # type: ignore[return-value]
     if tp.peer is not None and tp.peer.fits(x):
