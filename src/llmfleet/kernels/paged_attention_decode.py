@@ -129,7 +129,6 @@ def _attend_partition(
 ):  # fmt: skip
     """Tokens [start, end) of one KV head against its query heads: the normalized output
     (SINGLE_PARTITION), else the partition's (m, l, acc) per query head."""
-
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
