@@ -9,8 +9,7 @@ different row counts, replayed interleaved with eager calls on fresh inputs, kee
 (the per-row call numbers and the two slots stay in step across graphs). Then the time per
 call inside a CUDA graph of `--calls` chained calls, each consuming the last one's output as
 a decode step's layers do: NCCL all-reduce + the add-and-norm kernel (what a decoder layer ran
-before) against the fused kernel (rows pushed into the peers' buffers, as served, and pulled
-from theirs), and the bare sums.
+before) against the fused kernel, and the bare sums.
 """
 
 from __future__ import annotations
@@ -136,25 +135,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev
     )
     peer = PeerAllReduce(None, dev)
-    bad = []
-    for push in (True, False):  # rows written into the peers' buffers, or read from theirs
-        peer.push = push
-        bad += [f"{'push' if push else 'pull'}: {b}" for b in check(peer, args.hidden, rank)]
+    bad = check(peer, args.hidden, rank)
     flags = [None] * world
     dist.all_gather_object(flags, bad)
     w = torch.randn(args.hidden, device=dev, dtype=torch.bfloat16)
     rows_out = []
     for rows in (1, 8, 16, 32, 64):
         fused = lambda x, r: launch(peer, x, w, EPS, r)[1]  # noqa: E731 (past `fits` too)
-        peer.push = False
-        pull = time_graph(dev, args.calls, fused, rows, args.hidden)
-        peer.push = True
         t = {
             "NCCL + add&norm": time_graph(
                 dev, args.calls, lambda x, r: nccl_norm(x, w, r)[1], rows, args.hidden
             ),
             "fused one-shot": time_graph(dev, args.calls, fused, rows, args.hidden),
-            "fused, pulling": pull,
             "NCCL sum": time_graph(
                 dev, args.calls, lambda x, r: (dist.all_reduce(x), x)[1], rows, args.hidden
             ),

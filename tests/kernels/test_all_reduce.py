@@ -26,10 +26,10 @@ INT32_MAX = 2**31 - 1
 
 class Buffers:
     """Every rank's data and flags in this process (what `PeerAllReduce` maps), seen as rank
-    `rank`'s call would see them; `push` as the kernel's mode."""
+    `rank`'s call would see them."""
 
-    def __init__(self, rank: int, world: int, push: bool = True) -> None:
-        self.rank, self.world, self.push = rank, world, push
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
         cells = SLOTS * MAX_ROWS * world
         self.data = [
             torch.zeros(cells * ROW_BYTES, dtype=torch.uint8, device=DEVICE) for _ in range(world)
@@ -52,9 +52,8 @@ class Buffers:
         return self.flags[rank][self.cell(number, row, source)]
 
     def sent(self, number: int, r: int, hidden: int, dtype) -> list[torch.Tensor]:
-        """Where this rank's row `r` of call `number` went: each peer's buffer (push), else
-        its own."""
-        peers = [p for p in range(self.world) if p != self.rank] if self.push else [self.rank]
+        """Where this rank's row `r` of call `number` went: each peer's buffer."""
+        peers = [p for p in range(self.world) if p != self.rank]
         return [self.row(p, number, r, self.rank, hidden, dtype) for p in peers]
 
     def peers_ready(self, number: int, parts: list[torch.Tensor]) -> None:
@@ -62,9 +61,8 @@ class Buffers:
         for p, part in enumerate(parts):
             if p == self.rank:
                 continue
-            at = self.rank if self.push else p  # in this rank's buffer, or in their own
-            for r in range(part.shape[0]):
-                self.row(at, number, r, p, part.shape[1], part.dtype).copy_(part[r])
+            for r in range(part.shape[0]):  # into this rank's buffer
+                self.row(self.rank, number, r, p, part.shape[1], part.dtype).copy_(part[r])
                 self.flag(self.rank, number, r, p).fill_(number)
 
 
@@ -76,12 +74,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["sum", "norm", "residual"])
-@pytest.mark.parametrize("push", [True, False])
 def test_a_rank_sums_its_peers_rows_and_signals_them(
-    world: int, rank: int, dtype: torch.dtype, mode: str, push: bool
+    world: int, rank: int, dtype: torch.dtype, mode: str
 ) -> None:
     rows, hidden = 3, 96
-    bufs = Buffers(rank, world, push)
+    bufs = Buffers(rank, world)
     parts = [torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(world)]
     weight = torch.randn(hidden, device=DEVICE).to(dtype) if mode != "sum" else None
     residual = torch.randn(rows, hidden, device=DEVICE).to(dtype) if mode == "residual" else None
@@ -95,7 +92,7 @@ def test_a_rank_sums_its_peers_rows_and_signals_them(
     else:
         assert torch.equal(got[1], want[1])  # the residual stream: every rank's bits alike
         assert rel_err(got[0], want[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
-    for r in range(rows):  # its row went where its peers read it, and every peer was told
+    for r in range(rows):  # its row is in every peer's buffer, and every peer was told
         for cell in bufs.sent(1, r, hidden, dtype):
             assert torch.equal(cell, parts[rank][r])
         for p in range(world):

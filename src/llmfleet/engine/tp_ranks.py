@@ -34,13 +34,11 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +50,7 @@ from llmfleet.models.loader import LoadedModel
 from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import LLMFleetError
+from llmfleet.shared.core.host import host_id
 
 if TYPE_CHECKING:
     from llmfleet.kernels.all_reduce import PeerAllReduce
@@ -129,14 +128,13 @@ def peer_all_reduce(
     def uuid(index: int) -> str:
         return str(torch.cuda.get_device_properties(index).uuid)
 
-    boot = Path("/proc/sys/kernel/random/boot_id")  # one per boot of one machine
-    this_host = boot.read_text().strip() if boot.exists() else socket.gethostname()
     where: list[tuple[str, str] | None] = [None] * tp.size
-    dist.all_gather_object(where, (this_host, uuid(device.index or 0)), group=host)
+    dist.all_gather_object(where, (host_id(), uuid(device.index or 0)), group=host)
+    hosts = {w[0] for w in where if w is not None}
     uuids = [w[1] for w in where if w is not None]
     reason = ""
-    if len({w[0] for w in where if w is not None}) > 1:
-        reason = "the ranks are on several hosts"
+    if len(hosts) > 1 or "" in hosts:
+        reason = "the ranks are on several hosts (or a host's identity is unknown)"
     else:
         index = {uuid(i): i for i in range(torch.cuda.device_count())}
         here = device.index or 0

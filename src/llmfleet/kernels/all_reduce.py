@@ -17,13 +17,13 @@ Memory (torch symmetric memory: every rank maps every other rank's buffers):
     seq   (local):    int32 [row], the calls row `row` has taken part in
 
 Program `row` of a call: seq[row] += 1 (the new value is the call's number, its parity the
-slot); write this rank's row into cell [slot][row][me] of every peer's buffer (`push`; else
-of its own, where the peers read it); write the number into flags[slot][row][me] of every
-peer (release, system scope: the row lands before the flag); wait until its own
-flags[slot][row][p] hold the number for every peer p (acquire); sum the rows in rank order
-from its own buffer (every rank adds in the same order, so all get the same bits); add,
-normalize, store. Pushing costs one NVLink crossing where reading the peers' buffers costs a
-signal and then a read's round trip.
+slot); write this rank's row into cell [slot][row][me] of every peer's buffer; write the
+number into flags[slot][row][me] of every peer (release, system scope: the row lands before
+the flag); wait until its own flags[slot][row][p] hold the number for every peer p (acquire);
+sum the rows in rank order from its own buffer (every rank adds in the same order, so all get
+the same bits); add, normalize, store. Pushing the rows costs one NVLink crossing; reading the
+peers' buffers instead would cost a signal and then a read's round trip (slower at every size
+measured, docs/benchmarks.md).
 
 Why two slots are enough: a peer rewrites a slot-s cell only at the call after next on that
 row, and to get there it must pass the next call's wait, which needs this rank's signal for
@@ -43,6 +43,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from llmfleet.kernels.rms_norm import rms_norm_ref
 from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
 
 MAX_ROWS = 64  # rows a call may have
@@ -75,7 +76,6 @@ def _all_reduce_kernel(
     MAX_ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
-    PUSH: tl.constexpr,  # write the row into the peers' buffers (else they read this one's)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     pdl_start(PDL)
@@ -88,14 +88,10 @@ def _all_reduce_kernel(
     tl.debug_barrier()  # every thread has read the old number before it is replaced
     tl.store(seq_ptr + row, seq)
     cell = (seq & 1) * MAX_ROWS + row  # (slot, row); & keeps a wrapped number's parity
-    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
-    if PUSH:  # this rank's row into every peer's buffer: the peers then read locally
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                theirs = tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
-                tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, x, mask=mask)
-    else:  # into its own buffer, where the peers read it
-        tl.store(mine + (cell * WORLD + RANK) * ROW_ELEMS + cols, x, mask=mask)
+    for p in tl.static_range(WORLD):  # this rank's row into every peer's buffer
+        if p != RANK:
+            theirs = tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
+            tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, x, mask=mask)
     tl.debug_barrier()  # the row is written before any peer is told
     for p in tl.static_range(WORLD):
         if p != RANK:
@@ -107,13 +103,13 @@ def _all_reduce_kernel(
             while tl.atomic_add(own_flags + cell * WORLD + p, 0, sem="acquire", scope="sys") != seq:
                 pass
     tl.debug_barrier()
+    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for p in tl.static_range(WORLD):
         if p == RANK:
             acc += x.to(tl.float32)
-        else:
-            src = mine if PUSH else tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
-            at = src + (cell * WORLD + p) * ROW_ELEMS + cols
+        else:  # the peers' rows, now in this rank's memory (volatile: past a stale L1)
+            at = mine + (cell * WORLD + p) * ROW_ELEMS + cols
             acc += tl.load(at, mask=mask, other=0.0, volatile=True).to(tl.float32)
     s = acc.to(dtype)  # the sum as NCCL would return it
     if HAS_RESIDUAL:
@@ -132,14 +128,9 @@ def _all_reduce_kernel(
 
 class PeerAllReduce:
     """The one-shot all-reduce of one process group whose ranks are GPUs of this host (every
-    rank builds one, collectively). `fits` says which tensors it takes; others go to NCCL.
-    `push` (as served) writes each row into the peers' buffers; False has the peers read it
-    from this rank's (slower past a few rows; benchmarks/all_reduce_bench.py compares them).
-    Every rank must use the same mode for a call."""
+    rank builds one, collectively). `fits` says which tensors it takes; others go to NCCL."""
 
-    def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, push: bool = True
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank = dist.get_rank(group)
@@ -156,7 +147,6 @@ class PeerAllReduce:
         self.data_ptrs = torch.tensor(ptrs[0], dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(ptrs[1], dtype=torch.int64, device=device)
         self.seq = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-        self.push = push
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before anyone signals
 
@@ -194,7 +184,6 @@ class PeerState(Protocol):
     data_ptrs: torch.Tensor  # int64 (world,)
     flag_ptrs: torch.Tensor  # int64 (world,)
     seq: torch.Tensor  # int32 (MAX_ROWS,)
-    push: bool
 
 
 def launch(
@@ -224,7 +213,7 @@ def launch(
         weight if norm else x, out, total, eps,
         RANK=peer.rank, WORLD=peer.world, H=hidden, BLOCK=block,
         ROW_ELEMS=ROW_BYTES // x.element_size(), MAX_ROWS=MAX_ROWS,
-        HAS_RESIDUAL=residual is not None, NORM=norm, PUSH=peer.push, PDL=chained,
+        HAS_RESIDUAL=residual is not None, NORM=norm, PDL=chained,
         num_warps=min(max(block // 256, 1), 16), launch_pdl=chained,
     )  # fmt: skip
     return (out, total) if norm else out
@@ -243,8 +232,6 @@ def all_reduce_ref(
     s = acc.to(parts[0].dtype)
     if weight is None:
         return s
-    if residual is not None:
-        s = (s.float() + residual.float()).to(s.dtype)
-    v = s.float()
-    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return normed.to(s.dtype), s
+    if residual is None:
+        return rms_norm_ref(s, weight, eps), s  # type: ignore[return-value]
+    return rms_norm_ref(s, weight, eps, residual)

@@ -16,13 +16,11 @@ to host staging.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from llmfleet.shared.core.errors import LLMFleetError
+from llmfleet.shared.core.host import host_id
 from llmfleet.v1 import dataplane_pb2
 
 ERROR_PREFIX = "cuda-ipc: "  # how a receiver's refusal reads in its KVTransferAck.error
@@ -33,16 +31,6 @@ class IpcUnavailable(LLMFleetError):
 
     def __str__(self) -> str:
         return ERROR_PREFIX + super().__str__()
-
-
-@functools.cache
-def host_id() -> str:
-    """This host's identity as IPC sees it: the kernel's boot id (the same in every process and
-    container of one boot of one machine)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def device_uuid(index: int) -> str:
