@@ -184,13 +184,6 @@ def main() -> None:
     p.add_argument("--big", action="store_true", help="also: the 70B shape at TP=N (dummy)")
     p.add_argument("--only-big", action="store_true", help="only step 4 (with step 1)")
     p.add_argument("--skip-check", action="store_true", help="leave out step 2")
-    p.add_argument(
-        "--variants",
-        nargs="*",
-        default=["nccl", "no-prefetch"],
-        choices=["nccl", "no-prefetch"],
-        help="GPUs: also time TP=N with every sum on NCCL / without the L2 weight prefetch",
-    )
     p.add_argument("--big-dir", help="step 4's checkpoint directory (default: written here)")
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung run
@@ -235,14 +228,12 @@ def main() -> None:
             "b16": engine_decode_ms(eng, batch, args.steps),
         }
 
-    # TP=N as served, and (GPUs) with every sum on NCCL or without the L2 prefetch: their gains
-    runs: list[tuple[str, int, dict]] = [("TP=1", 1, {}), (f"TP={args.tp}", args.tp, {})]
-    if gpu and "nccl" in args.variants:
-        runs.append((f"TP={args.tp}, NCCL sums", args.tp, {"tp_all_reduce": "nccl"}))
-    if gpu and "no-prefetch" in args.variants:
-        runs.append((f"TP={args.tp}, no L2 prefetch", args.tp, {"l2_prefetch": False}))
-    for label, tp, kw in runs:
-        results[label] = with_engine(big, tp, device, dtype, measure, **kw)
+    # TP=N as served, and (GPUs) with every sum on NCCL: the one-shot all-reduce's gain
+    runs = [("TP=1", 1, "auto"), (f"TP={args.tp}", args.tp, "auto")]
+    if gpu:
+        runs.append((f"TP={args.tp}, NCCL sums", args.tp, "nccl"))
+    for label, tp, sums in runs:
+        results[label] = with_engine(big, tp, device, dtype, measure, tp_all_reduce=sums)
         print(f"{label}: batch 1 {results[label]['b1']:.2f} ms", flush=True)
     full_weights = results["TP=1"]["weights"]
     for label, tp, _ in runs:

@@ -41,7 +41,6 @@ SETTINGS = {
     "tp_join": "10.0.0.1:29500",
     "tp_rank": 1,
     "tp_all_reduce": "nccl",
-    "l2_prefetch": False,
     "quantization": "fp8",
     "load_format": "dummy",
     "simulate": False,

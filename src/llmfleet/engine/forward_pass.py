@@ -94,18 +94,6 @@ def kv_cache_blocks(
     return own
 
 
-def use_device(config: EngineConfig, device: torch.device) -> None:
-    """Make `device` this thread's current CUDA device (the graphs' kernels and Triton's
-    launches go to it) and apply `config`'s process-wide kernel settings; nothing off CUDA.
-    Every rank's process calls it before its runner is built (graphs capture the settings)."""
-    if device.type != "cuda":
-        return
-    torch.cuda.set_device(device)
-    from llmfleet.kernels import l2_prefetch  # Triton is only needed on GPUs
-
-    l2_prefetch.set_enabled(config.l2_prefetch)
-
-
 def forward_pass(
     config: EngineConfig,
     loaded: LoadedModel,
@@ -118,7 +106,7 @@ def forward_pass(
     graphs' kernels and Triton's launches go to the current device)."""
     if device.type == "cuda":
         device = torch_device(str(device))
-    use_device(config, device)
+        torch.cuda.set_device(device)
     if isinstance(loaded.model, SimulatedModel):
         step_time = StepTime(
             config.sim_step_ms, config.sim_decode_ms_per_seq, config.sim_prefill_ms_per_token

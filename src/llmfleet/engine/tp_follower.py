@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from llmfleet.engine import flops
 from llmfleet.engine.block_manager import BlockManager
-from llmfleet.engine.forward_pass import kv_cache_blocks, load_shard, use_device
+from llmfleet.engine.forward_pass import kv_cache_blocks, load_shard
 from llmfleet.engine.model_runner import ModelRunner
 from llmfleet.engine.tp_ranks import (
     CONFIG_KEY,
@@ -240,7 +240,6 @@ def run(
     if op != INIT:
         raise RuntimeError(f"expected INIT first, got op {op}")
     blocks = BlockManager(counts[0], config.block_size, enable_prefix_caching=False)
-    use_device(config, device)
     runner = ModelRunner(loaded.model, loaded.spec, blocks, dtype=config.torch_dtype, device=device)
     heads = HeadMap.exchange(loaded.spec, rank, tp.group, device)
     follow(runner, channel, heads)

@@ -16,7 +16,6 @@ import llmfleet.kernels.gemv as _gemv
 import llmfleet.kernels.int4_matmul as _i4
 import llmfleet.kernels.int4_pack as _i4p
 import llmfleet.kernels.kv_cache_write as _kvw
-import llmfleet.kernels.l2_prefetch as _l2
 import llmfleet.kernels.paged_attention_decode as _decode
 import llmfleet.kernels.paged_attention_prefill as _prefill
 import llmfleet.kernels.quant as _quant
@@ -179,17 +178,6 @@ def _decode_kernels_serve(x: torch.Tensor, weight: torch.Tensor, force_triton: b
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
     )
-
-
-def prefetch_weight(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> None:
-    """Start bringing the first bytes `decode_linear(x, weight)` (`gated`:
-    `decode_gated_linear`) will read into L2, where that call will run the GEMV (one row) and
-    the prefetch runs on this GPU (kernels/l2_prefetch.py); nothing elsewhere. Issued before
-    the short kernels that precede the projection, so the wait they leave on memory fills."""
-    if x.shape[0] != 1 or not _decode_kernels_serve(x, weight, False):
-        return
-    gated = gated and _gemv.gated_config(weight.shape[0], x.shape[1], x.dtype, x.device) is not None
-    _l2.prefetch_l2(weight, gated=gated)
 
 
 def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:

@@ -48,7 +48,6 @@ from llmfleet.models.layers import (
     VocabParallelEmbedding,
     linear,
     load_shard,
-    prefetch,
     summed_norm,
 )
 from llmfleet.models.moe import SparseMoE
@@ -177,7 +176,6 @@ class DecoderForCausalLM(CausalLM):
         self.aux_hidden = (
             torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         )  # (T, hidden * len(capture_layers)), in the listed order
-        prefetch(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight, h)
         h, _ = summed_norm(self.norm, h, residual, pending)
         return h
 

@@ -130,22 +130,6 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
-def prefetch(proj: nn.Module | torch.Tensor, x: torch.Tensor, gated: bool = False) -> None:
-    """Ahead of the short kernels before `proj` (a norm and its all-reduce, attention): ask
-    for the first bytes of its weight in L2, where `proj` is a plain linear layer (or the
-    weight `linear` will be given) about to take x's rows, x a GPU tensor of the input's
-    shape and dtype (`dispatch.prefetch_weight` says where it runs: one 16-bit row, sm_90).
-    `gated`: proj is a fused [gate | up] weight for `gated_linear`."""
-    if isinstance(proj, nn.Module):
-        if type(proj) not in (Linear, RowParallelLinear):
-            return
-        proj = proj.weight
-    if x.is_cuda:
-        from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
-
-        dispatch.prefetch_weight(x, proj, gated)
-
-
 def unsummed(proj: nn.Module) -> TensorParallel | None:
     """The group over which a row-parallel projection `proj` may leave its sum to the norm
     after it (`summed_norm`, called with `reduce=False` on the module holding it): a plain
@@ -316,7 +300,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # (T, hidden)
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
-        prefetch(self.o_proj, qkv[:, : self.q_size])  # of o's input's shape
         qkv = qkv.view(t, h + 2 * hkv, self.head_dim)
         q, k, v = qkv.split([h, hkv, hkv], dim=1)  # views: (T, H, D), (T, Hkv, D), (T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
@@ -348,15 +331,12 @@ class DecoderLayer(nn.Module):
         """`pending`: h is this rank's part of the previous layer's output, to be summed over
         that group with the input norm. `defer` (where `deferrable`): the MLP's output comes
         back unsummed likewise. A row-parallel o_proj's sum is always taken with the norm."""
-        prefetch(self.self_attn.qkv_proj, h)
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = summed_norm(self.input_layernorm, h, residual, pending)
         attn_tp = unsummed(self.self_attn.o_proj)
         h = self.self_attn(h, rope, kv_cache, meta, reduce=attn_tp is None)
-        if type(self.mlp) is MLP:
-            prefetch(self.mlp.gate_up_proj, h, gated=True)
         h, residual = summed_norm(self.post_attention_layernorm, h, residual, attn_tp)
         return (self.mlp(h, reduce=False) if defer else self.mlp(h)), residual
 

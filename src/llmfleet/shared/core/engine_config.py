@@ -64,10 +64,6 @@ class EngineConfig:
     # (kernels/all_reduce.py), fused with the norm after it, and NCCL elsewhere; "nccl" always
     # NCCL.
     tp_all_reduce: str = "auto"
-    # CUDA sm_90+: at one-row decode steps, ask for the first bytes of each projection's weight
-    # in L2 before the short kernels ahead of it (norms, all-reduces, attention), so memory
-    # streams while they run (kernels/l2_prefetch.py). A hint: results are the same without.
-    l2_prefetch: bool = True
     # Online weight quantization at load: None (serve the checkpoint's weights in `dtype`) or
     # "fp8" (decoder projections as FP8 e4m3 W8A8; CUDA sm_89+, dtype bfloat16/float16).
     quantization: str | None = None

@@ -63,8 +63,6 @@ HELP = {
     "tp_all_reduce": "auto: decode-size sums over GPUs of one host read each other's memory in "
     "one kernel with the norm after them, NCCL elsewhere; nccl: NCCL for every sum (default "
     "auto)",
-    "l2_prefetch": "CUDA sm_90+: at one-row decode steps, prefetch the start of each "
-    "projection's weight into L2 while the short kernels before it run (default on)",
     "quantization": "fp8: quantize the decoder projections to FP8 at load (CUDA sm_89+, "
     "16-bit dtype)",
     "load_format": "auto: the checkpoint's weights; dummy: its config and tokenizer with random "
