@@ -184,6 +184,13 @@ def main() -> None:
     p.add_argument("--big", action="store_true", help="also: the 70B shape at TP=N (dummy)")
     p.add_argument("--only-big", action="store_true", help="only step 4 (with step 1)")
     p.add_argument("--skip-check", action="store_true", help="leave out step 2")
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=["nccl"],
+        choices=["nccl"],
+        help="GPUs: also time TP=N with every sum on NCCL (give none to leave it out)",
+    )
     p.add_argument("--big-dir", help="step 4's checkpoint directory (default: written here)")
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung run
@@ -230,7 +237,7 @@ def main() -> None:
 
     # TP=N as served, and (GPUs) with every sum on NCCL: the one-shot all-reduce's gain
     runs = [("TP=1", 1, "auto"), (f"TP={args.tp}", args.tp, "auto")]
-    if gpu:
+    if gpu and "nccl" in args.variants:
         runs.append((f"TP={args.tp}, NCCL sums", args.tp, "nccl"))
     for label, tp, sums in runs:
         results[label] = with_engine(big, tp, device, dtype, measure, tp_all_reduce=sums)

@@ -12,26 +12,33 @@ normalizes, so each all-reduce is one short kernel.
 
 Memory (torch symmetric memory: every rank maps every other rank's buffers):
 
-    data  (per rank): cells [slot][row][source rank] of ROW_BYTES: the sources' rows
-    flags (per rank): int32 [slot][row][source rank]; written by the source rank, over NVLink
-    seq   (local):    int32 [row], the calls row `row` has taken part in
+    data (per rank): cells [slot][row][source rank] of ROW_BYTES: the sources' rows, or EMPTY
+    seq  (local):    int32 [row], the calls row `row` has taken part in
+
+No flags: a cell's values are their own signal. Every cell starts filled with the EMPTY bit
+pattern (0x8000 in each 16-bit half: -0.0 of a 16-bit float; a negative denormal of float32),
+which no row carries: a sender replaces that pattern in its values by the zero of the same sign
+class (a 16-bit -0.0 becomes +0.0, float32's denormal -2^-135 becomes -0.0; the sum every rank
+computes uses the replaced values, so all ranks still agree bit for bit).
 
 Program `row` of a call: seq[row] += 1 (the new value is the call's number, its parity the
-slot); write this rank's row into cell [slot][row][me] of every peer's buffer; write the
-number into flags[slot][row][me] of every peer (release, system scope: the row lands before
-the flag); wait until its own flags[slot][row][p] hold the number for every peer p (acquire);
-sum the rows in rank order from its own buffer (every rank adds in the same order, so all get
-the same bits); add, normalize, store. Pushing the rows costs one NVLink crossing; reading the
-peers' buffers instead would cost a signal and then a read's round trip (slower at every size
-measured, docs/benchmarks.md).
+slot); write this rank's row into cell [slot][row][me] of every peer's buffer (plain stores,
+no fence: nothing else has to land before it); for every peer p, read its own cell
+[slot][row][p] until no value is EMPTY (volatile loads: each value is written once, so a
+value that is not EMPTY is the peer's), then fill that cell with EMPTY again; sum the rows in
+rank order (every rank adds the same values in the same order, so all get the same bits);
+add, normalize, store. One NVLink crossing per row, and no release fence, whose round trip
+(the peer acknowledging the row before the flag may follow) a flag protocol pays.
 
 Why two slots are enough: a peer rewrites a slot-s cell only at the call after next on that
-row, and to get there it must pass the next call's wait, which needs this rank's signal for
-that call, which this rank sends only after the current call (stream order). Every rank runs
-the same calls with the same row counts (tensor parallelism requires it), so the per-row
-numbers agree across ranks whether a call is eager or inside a CUDA graph; equality with a
-wrapping int32 needs no reset. A rank that stops answering leaves its peers waiting, as NCCL
-does; NCCL's watchdog on the step's next collective (the logits' gather) ends the process.
+row, and to get there it must pass the next call on that row, which needs this rank's row of
+that call, which this rank sends only after the current call has ended (stream order; under
+PDL no program touches memory before the kernel before it has ended), and with it the refill
+of the cell. Every rank runs the same calls with the same row counts (tensor parallelism
+requires it), so the per-row numbers agree across ranks whether a call is eager or inside a
+CUDA graph; equality with a wrapping int32 needs no reset. A rank that stops answering leaves
+its peers waiting, as NCCL does; NCCL's watchdog on the step's next collective (the logits'
+gather) ends the process.
 """
 
 from __future__ import annotations
@@ -53,6 +60,24 @@ ROW_BYTES = 32 << 10  # bytes a row may have: hidden 8192 in float32, 16384 in 1
 # to NCCL.
 MAX_BYTES = 512 << 10
 SLOTS = 2
+EMPTY16 = -(1 << 15)  # 0x8000: a cell's 16-bit values before a row lands (-0.0)
+# Per width: (the EMPTY pattern, what a sender writes instead of a value with that pattern)
+EMPTY = {2: (EMPTY16, 0), 4: (-(1 << 31) + (1 << 15), -(1 << 31))}  # 0x80008000 -> 0x80000000
+
+
+def fill_empty(data: torch.Tensor) -> torch.Tensor:
+    """Fill a data buffer (uint8, an even number of bytes) with the EMPTY pattern."""
+    return data.view(torch.int16).fill_(EMPTY16)
+
+
+@triton.jit
+def _bits(v, WIDE: tl.constexpr):
+    """v's bit pattern as integers of its width (int32 for float32, else int16)."""
+    if WIDE:
+        bits = v.to(tl.int32, bitcast=True)
+    else:
+        bits = v.to(tl.int16, bitcast=True)
+    return bits
 
 
 @triton.jit
@@ -60,7 +85,6 @@ def _all_reduce_kernel(
     x_ptr,  # (rows, H) this rank's addend, unit stride in H
     stride_x,  # elements between rows of x
     data_ptrs,  # int64 (WORLD,): every rank's data buffer, as mapped in this process
-    flag_ptrs,  # int64 (WORLD,): every rank's flags, as mapped in this process
     seq_ptr,  # int32 (MAX_ROWS,): this rank's call numbers per row
     res_ptr,  # (rows, H) residual, read when HAS_RESIDUAL
     stride_res,  # elements between rows of the residual
@@ -74,6 +98,9 @@ def _all_reduce_kernel(
     BLOCK: tl.constexpr,  # next power of two >= H: one row lives in registers
     ROW_ELEMS: tl.constexpr,  # elements between rows of a slot (ROW_BYTES / element size)
     MAX_ROWS: tl.constexpr,
+    WIDE: tl.constexpr,  # float32 rows (32-bit values), else 16-bit
+    EMPTY: tl.constexpr,  # the EMPTY pattern as a value of the rows' integer width
+    STANDIN: tl.constexpr,  # what a sender writes for a value of the EMPTY pattern
     HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
@@ -84,33 +111,28 @@ def _all_reduce_kernel(
     mask = cols < H
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+    bits = _bits(x, WIDE)
+    bits = tl.where(bits == EMPTY, STANDIN, bits).to(bits.dtype)  # never send the EMPTY pattern
     seq = tl.load(seq_ptr + row) + 1
     tl.debug_barrier()  # every thread has read the old number before it is replaced
     tl.store(seq_ptr + row, seq)
     cell = (seq & 1) * MAX_ROWS + row  # (slot, row); & keeps a wrapped number's parity
     for p in tl.static_range(WORLD):  # this rank's row into every peer's buffer
         if p != RANK:
-            theirs = tl.load(data_ptrs + p).to(tl.pointer_type(dtype))
-            tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, x, mask=mask)
-    tl.debug_barrier()  # the row is written before any peer is told
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(flags + cell * WORLD + RANK, seq, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            while tl.atomic_add(own_flags + cell * WORLD + p, 0, sem="acquire", scope="sys") != seq:
-                pass
-    tl.debug_barrier()
-    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
+            theirs = tl.load(data_ptrs + p).to(tl.pointer_type(bits.dtype))
+            tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, bits, mask=mask)
+    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(bits.dtype))
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for p in tl.static_range(WORLD):
         if p == RANK:
-            acc += x.to(tl.float32)
-        else:  # the peers' rows, now in this rank's memory (volatile: past a stale L1)
+            acc += bits.to(dtype, bitcast=True).to(tl.float32)
+        else:  # the peer's row as it lands in this rank's memory (volatile: past a stale L1)
             at = mine + (cell * WORLD + p) * ROW_ELEMS + cols
-            acc += tl.load(at, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            v = tl.load(at, mask=mask, other=0, volatile=True)
+            while tl.max((v == EMPTY).to(tl.int32), axis=0) > 0:
+                v = tl.load(at, mask=mask, other=0, volatile=True)
+            tl.store(at, tl.full((BLOCK,), EMPTY, v.dtype), mask=mask)  # for its next use
+            acc += v.to(dtype, bitcast=True).to(tl.float32)
     s = acc.to(dtype)  # the sum as NCCL would return it
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
@@ -137,18 +159,14 @@ class PeerAllReduce:
         self.world = dist.get_world_size(group)
         self.device = device
         group = group if group is not None else dist.group.WORLD
-        # (slot, row, source) cells of ROW_BYTES, and (slot, row, source) flags
+        # (slot, row, source) cells of ROW_BYTES
         cells = SLOTS * MAX_ROWS * self.world
-        self._data = symm_mem.empty(cells * ROW_BYTES, dtype=torch.uint8, device=device)
-        self._flags = symm_mem.empty(cells, dtype=torch.int32, device=device)
-        self._flags.zero_()
-        self._handles = [symm_mem.rendezvous(t, group) for t in (self._data, self._flags)]
-        ptrs = [h.buffer_ptrs for h in self._handles]
-        self.data_ptrs = torch.tensor(ptrs[0], dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(ptrs[1], dtype=torch.int64, device=device)
+        self._data = fill_empty(symm_mem.empty(cells * ROW_BYTES, dtype=torch.uint8, device=device))
+        self._handle = symm_mem.rendezvous(self._data, group)
+        self.data_ptrs = torch.tensor(self._handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.seq = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's flags are zero before anyone signals
+        dist.barrier(group)  # every rank's cells are EMPTY before anyone writes
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `x` (rows, hidden) is one this all-reduce takes: on this GPU, contiguous,
@@ -182,7 +200,6 @@ class PeerState(Protocol):
     rank: int
     world: int
     data_ptrs: torch.Tensor  # int64 (world,)
-    flag_ptrs: torch.Tensor  # int64 (world,)
     seq: torch.Tensor  # int32 (MAX_ROWS,)
 
 
@@ -205,18 +222,27 @@ def launch(
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if norm else x
     total = torch.empty_like(out) if norm else out
     block = triton.next_power_of_2(hidden)
+    empty, standin = EMPTY[x.element_size()]
     chained = pdl(x.device)
     launchable(_all_reduce_kernel)[(rows,)](
-        x, x.stride(0), peer.data_ptrs, peer.flag_ptrs, peer.seq,
+        x, x.stride(0), peer.data_ptrs, peer.seq,
         residual if residual is not None else x,
         residual.stride(0) if residual is not None else 0,
         weight if norm else x, out, total, eps,
         RANK=peer.rank, WORLD=peer.world, H=hidden, BLOCK=block,
         ROW_ELEMS=ROW_BYTES // x.element_size(), MAX_ROWS=MAX_ROWS,
+        WIDE=x.element_size() == 4, EMPTY=empty, STANDIN=standin,
         HAS_RESIDUAL=residual is not None, NORM=norm, PDL=chained,
         num_warps=min(max(block // 256, 1), 16), launch_pdl=chained,
     )  # fmt: skip
     return (out, total) if norm else out
+
+
+def as_sent(x: torch.Tensor) -> torch.Tensor:
+    """x as a sender writes it into a peer's cell: values of the EMPTY pattern replaced."""
+    empty, standin = EMPTY[x.element_size()]
+    bits = x.view(torch.int32 if x.element_size() == 4 else torch.int16)
+    return torch.where(bits == empty, standin, bits).to(bits.dtype).view(x.dtype)
 
 
 def all_reduce_ref(
@@ -225,10 +251,11 @@ def all_reduce_ref(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference: the kernel's result from every rank's rows (added in rank order)."""
+    """PyTorch reference: the kernel's result from every rank's rows (as sent, added in rank
+    order)."""
     acc = torch.zeros_like(parts[0], dtype=torch.float32)
     for p in parts:
-        acc += p.float()
+        acc += as_sent(p).float()
     s = acc.to(parts[0].dtype)
     if weight is None:
         return s
