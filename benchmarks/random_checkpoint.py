@@ -22,18 +22,39 @@ def write_random_checkpoint(
     directory: Path, config: LlamaConfig, dtype: torch.dtype, device: str
 ) -> Path:
     """`config`'s model with random weights (seed 0, made on `device` in `dtype`) saved under
-    `directory` in shards of at most 5 GB, with a word-level tokenizer: ids below the specials
-    are the words `w0`, `w1`, ...; the last ids are SPECIALS (bos, eos, the chat markers)."""
+    `directory` in shards of at most 5 GB, with `word_tokenizer`'s tokenizer."""
     if (directory / "config.json").is_file():
         return directory
-    vocab = config.vocab_size
-    config.bos_token_id, config.eos_token_id = vocab - len(SPECIALS), vocab - len(SPECIALS) + 1
+    set_special_ids(config)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=dtype)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, max_shard_size="5GB")
     del model
+    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+def write_weightless_checkpoint(directory: Path, config: LlamaConfig) -> Path:
+    """`config` and `word_tokenizer`'s tokenizer without weights: a checkpoint for
+    `--load-format dummy` (shapes too large to write), needing no model package."""
+    set_special_ids(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+def set_special_ids(config: LlamaConfig) -> None:
+    """bos and eos: the first two of the SPECIALS at the end of the vocabulary."""
+    vocab = config.vocab_size
+    config.bos_token_id, config.eos_token_id = vocab - len(SPECIALS), vocab - len(SPECIALS) + 1
+
+
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of `vocab` ids: ids below the specials are the words `w0`, `w1`,
+    ...; the last ids are SPECIALS (bos, eos, the chat markers); with CHAT_TEMPLATE."""
     words = {f"w{i}": i for i in range(vocab - len(SPECIALS))}
     words.update({s: vocab - len(SPECIALS) + i for i, s in enumerate(SPECIALS)})
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
@@ -45,5 +66,4 @@ def write_random_checkpoint(
         additional_special_tokens=list(SPECIALS[2:]),
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
-    return directory
+    return fast

@@ -14,8 +14,9 @@ One run, in order:
      sums in another order: a difference is not a bug there, which is why step 2 checks
      equality in float32);
   4. (`--big`) a Llama-3-70B-shaped model at TP=N with random weights (`--load-format dummy`:
-     config and tokenizer on disk, no weight files): loads, decodes, batch-1 step time against
-     its roofline. Its vocabulary is the bundled tokenizer's (49152), the rest is 70B's.
+     config and a word-level tokenizer on disk, no weight files): loads, decodes, batch-1 step
+     time against its roofline. Its vocabulary has the bundled model's size (49152), the rest
+     is 70B's.
 Roofline of a batch-1 decode step at TP=N: the bytes of the weights a step reads divided by N
 copy bandwidths (each GPU reads its shard); its all-reduces are not in it. Target (issue 30):
 TP=2 batch-1 decode <= 1.3x that roofline.
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 from decode_timing import copy_bandwidth, engine_decode_ms, random_prompts, weight_bytes_per_step
 from e2e_llama3_bench import llama3_8b_config
-from random_checkpoint import write_random_checkpoint
+from random_checkpoint import write_random_checkpoint, write_weightless_checkpoint
 
 from llmfleet.engine.engine import LLMEngine
 from llmfleet.engine.forward_pass import load_for
@@ -43,6 +44,7 @@ from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.sampling_params import SamplingParams
 
 GiB = 1 << 30
+BIG_VOCAB = 49152  # the 70B shape's vocabulary: the bundled model's size (its LM head's rows)
 TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -117,25 +119,17 @@ def profile(args: argparse.Namespace, work: Path, device: str, sizes: dict) -> N
 
 def llama3_70b_dir(work: Path) -> Path:
     """A checkpoint directory of the Llama-3-70B shape without weights: config and tokenizer."""
-    from llmfleet.models.loader import open_checkpoint
-
-    out = work / "llama3-70b-dummy"
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = open_checkpoint(None).tokenizer
     config = llama3_8b_config(
-        vocab_size=len(tokenizer), hidden_size=8192, intermediate_size=28672,
+        vocab_size=BIG_VOCAB, hidden_size=8192, intermediate_size=28672,
         num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
     )  # fmt: skip
-    config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return write_weightless_checkpoint(work / "llama3-70b-dummy", config)
 
 
 def big_model(args: argparse.Namespace, work: Path, bw: list[float]) -> list[tuple[str, str]]:
     """Step 4: the 70B shape at TP=N, random weights."""
     path = Path(args.big_dir) if args.big_dir else llama3_70b_dir(work)
-    vocab = 49152 - 8
-    one = random_prompts(1, 128, vocab, seed=4)
+    one = random_prompts(1, 128, BIG_VOCAB - 8, seed=4)
     start = time.perf_counter()
 
     def measure(eng: LLMEngine) -> tuple[float, float, float]:
