@@ -1,0 +1,130 @@
+"""Compile kernels for an sm_90 GPU (H100/H200) without one: Triton's front end, its
+optimizer and ptxas, as a GPU run would at its first launch. The interpreter runs the kernels'
+Python, which accepts code the compiler rejects (a type that differs between the branches of
+a constexpr `if`, for one), so CI compiles the specializations the GPU serves as well. Run by
+test_sm90_compile.py in a process of its own: TRITON_INTERPRET must be off before triton is
+imported (triton_utils.py says why). Prints one line per compiled specialization."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from llmfleet.kernels import all_reduce, argmax, gemv  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(kernel, params: dict[str, object], num_warps: int) -> int:
+    """Compile `kernel` with `params` in its parameters' order: a str is a runtime argument's
+    Triton type ("*bf16", "i32", ...), anything else a constexpr's value. Returns PTX bytes."""
+    names = kernel.arg_names
+    if list(params) != names:
+        raise ValueError(f"parameters {list(params)} are not the kernel's {names}")
+    signature = {n: (v if isinstance(v, str) else "constexpr") for n, v in params.items()}
+    constexprs = {(i,): v for i, (n, v) in enumerate(params.items()) if not isinstance(v, str)}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=SM90, options={"num_warps": num_warps})
+    return len(compiled.asm["ptx"])
+
+
+def all_reduce_cases():
+    for dtype in ("bf16", "fp16", "fp32"):
+        empty, standin = all_reduce.EMPTY[4 if dtype == "fp32" else 2]
+        for norm, residual in ((False, False), (True, False), (True, True)):
+            yield (
+                f"all_reduce {dtype} norm={norm} residual={residual}",
+                all_reduce._all_reduce_kernel,
+                dict(
+                    x_ptr=f"*{dtype}",
+                    stride_x="i32",
+                    data_ptrs="*i64",
+                    seq_ptr="*i32",
+                    res_ptr=f"*{dtype}",
+                    stride_res="i32",
+                    w_ptr=f"*{dtype}",
+                    out_ptr=f"*{dtype}",
+                    sum_ptr=f"*{dtype}",
+                    eps="fp32",
+                    RANK=1,
+                    WORLD=2,
+                    H=4096,
+                    BLOCK=4096,
+                    ROW_ELEMS=all_reduce.ROW_BYTES // (4 if dtype == "fp32" else 2),
+                    MAX_ROWS=all_reduce.MAX_ROWS,
+                    WIDE=dtype == "fp32",
+                    EMPTY=empty,
+                    STANDIN=standin,
+                    HAS_RESIDUAL=residual,
+                    NORM=norm,
+                    PDL=True,
+                ),  # fmt: skip
+                16,
+            )
+
+
+def gemv_cases():
+    for gated in (False, True):
+        for early in (False, True):
+            yield (
+                f"gemv gated={gated} early={early}",
+                gemv._gemv_kernel,
+                dict(
+                    x_ptr="*bf16",
+                    w_ptr="*bf16",
+                    bias_ptr="*bf16",
+                    out_ptr="*fp32" if not gated else "*bf16",
+                    N="i32",
+                    K="i32",
+                    stride_wn="i32",
+                    HAS_BIAS=False,
+                    EVEN_K=True,
+                    GATED=gated,
+                    ROUND=not gated,
+                    BLOCK_N=4,
+                    BLOCK_K=512,
+                    PDL=True,
+                    EARLY=early,
+                ),  # fmt: skip
+                4,
+            )
+
+
+def argmax_cases():
+    yield (
+        "argmax pieces",
+        argmax._piece_kernel,
+        dict(
+            x_ptr="*fp32",
+            val_ptr="*fp32",
+            idx_ptr="*i32",
+            V="i32",
+            stride_x="i32",
+            P="i32",
+            CHUNK=argmax.CHUNK,
+            PDL=True,
+        ),  # fmt: skip
+        4,
+    )
+    yield (
+        "argmax rows",
+        argmax._rows_kernel,
+        dict(val_ptr="*fp32", idx_ptr="*i32", out_ptr="*i64", P="i32", BLOCK_P=64, PDL=True),
+        4,
+    )
+
+
+def main() -> int:
+    for name, kernel, params, warps in (*all_reduce_cases(), *gemv_cases(), *argmax_cases()):
+        print(f"compiled {name}: {compile_sm90(kernel, params, warps)} bytes of PTX", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
