@@ -16,7 +16,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from llmfleet.kernels import all_reduce, argmax, gemv  # noqa: E402
+from llmfleet.kernels import (  # noqa: E402
+    all_reduce,
+    argmax,
+    gemv,
+    paged_attention_decode,
+    rotary_kv_write,
+    skinny_gemm,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -120,8 +127,120 @@ def argmax_cases():
     )
 
 
+def decode_step_cases():
+    """Decode attention (one partition, and split with the last program combining), the
+    rotary + KV cache write, and the skinny GEMM (split-K, gated): a Llama-3-8B layer's."""
+    for single in (True, False):
+        yield (
+            f"decode attention single_partition={single}",
+            paged_attention_decode._decode_partial_kernel,
+            dict(
+                q_ptr="*bf16",
+                kv_ptr="*bf16",
+                block_tables_ptr="*i32",
+                seq_lens_ptr="*i32",
+                out_ptr="*bf16",
+                part_acc_ptr="*fp32",
+                part_ml_ptr="*fp32",
+                arrived_ptr="*i32",
+                qk_scale="fp32",
+                min_partition="i32",
+                num_parts="i32",
+                stride_ml="i32",
+                stride_q_seq="i32",
+                stride_q_head="i32",
+                stride_o_seq="i32",
+                stride_o_head="i32",
+                stride_c_kv="i64",
+                stride_c_block="i32",
+                stride_c_off="i32",
+                stride_c_head="i32",
+                stride_bt_seq="i32",
+                NUM_HEADS=32,
+                GROUP=4,
+                BLOCK_G=16,
+                HEAD_DIM=128,
+                CACHE_BLOCK=16,
+                BLOCK_N=64,
+                SINGLE_PARTITION=single,
+                REDUCE_LAST=not single,
+                REDUCE_PARTS=4,
+                PDL=True,
+            ),  # fmt: skip
+            4,
+        )
+    yield (
+        "rotary + KV cache write",
+        rotary_kv_write._rotary_kv_write_kernel,
+        dict(
+            pos_ptr="*i64",
+            q_ptr="*bf16",
+            k_ptr="*bf16",
+            v_ptr="*bf16",
+            cos_sin_ptr="*fp32",
+            cache_ptr="*bf16",
+            slot_ptr="*i64",
+            stride_q_tok="i32",
+            stride_q_head="i32",
+            stride_k_tok="i32",
+            stride_k_head="i32",
+            stride_v_tok="i32",
+            stride_v_head="i32",
+            stride_c_kv="i64",
+            stride_c_block="i32",
+            stride_c_off="i32",
+            stride_c_head="i32",
+            NUM_Q_HEADS=32,
+            NUM_KV_HEADS=8,
+            HEAD_DIM=128,
+            HALF=64,
+            BLOCK_SIZE=16,
+            BLOCK_HQ=32,
+            BLOCK_HK=8,
+            BLOCK_R=64,
+            BLOCK_REST=0,
+            BLOCK_D=128,
+            PDL=True,
+        ),  # fmt: skip
+        4,
+    )
+    for gated in (False, True):
+        yield (
+            f"skinny GEMM split-K gated={gated}",
+            skinny_gemm._skinny_gemm_kernel,
+            dict(
+                x_ptr="*bf16",
+                w_ptr="*bf16",
+                bias_ptr="*bf16",
+                out_ptr="*bf16",
+                ws_ptr="*fp32",
+                cnt_ptr="*i32",
+                M="i32",
+                N="i32",
+                K="i32",
+                stride_xm="i32",
+                stride_wn="i32",
+                stride_om="i32",
+                k_per_split="i32",
+                split_k="i32",
+                HAS_BIAS=False,
+                EVEN_K=True,
+                SPLIT=True,
+                GATED=gated,
+                ROUND=False,
+                UPCAST=False,
+                BLOCK_M=16,
+                BLOCK_N=64,
+                BLOCK_K=128,
+                PDL=True,
+            ),  # fmt: skip
+            4,
+        )
+
+
 def main() -> int:
-    for name, kernel, params, warps in (*all_reduce_cases(), *gemv_cases(), *argmax_cases()):
+    cases = (*all_reduce_cases(), *gemv_cases(), *argmax_cases(), *decode_step_cases())
+    for name, kernel, params, warps in cases:
         print(f"compiled {name}: {compile_sm90(kernel, params, warps)} bytes of PTX", flush=True)
     return 0
 
