@@ -51,6 +51,7 @@ from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import LLMFleetError
 from llmfleet.shared.core.host import host_id
+from llmfleet.shared.wire.cuda_ipc import device_uuid
 
 if TYPE_CHECKING:
     from llmfleet.kernels.all_reduce import PeerAllReduce
@@ -124,19 +125,15 @@ def peer_all_reduce(
     """The group's one-shot all-reduce (kernels/all_reduce.py) where every rank is a GPU of
     this host that can read the others' memory; else None (NCCL takes every sum). Every rank
     calls it, and all get one or all get None."""
-
-    def uuid(index: int) -> str:
-        return str(torch.cuda.get_device_properties(index).uuid)
-
     where: list[tuple[str, str] | None] = [None] * tp.size
-    dist.all_gather_object(where, (host_id(), uuid(device.index or 0)), group=host)
+    dist.all_gather_object(where, (host_id(), device_uuid(device.index or 0)), group=host)
     hosts = {w[0] for w in where if w is not None}
     uuids = [w[1] for w in where if w is not None]
     reason = ""
     if len(hosts) > 1 or "" in hosts:
         reason = "the ranks are on several hosts (or a host's identity is unknown)"
     else:
-        index = {uuid(i): i for i in range(torch.cuda.device_count())}
+        index = {device_uuid(i): i for i in range(torch.cuda.device_count())}
         here = device.index or 0
         if any(u not in index for u in uuids):
             reason = "a rank's GPU is not visible to every rank"
