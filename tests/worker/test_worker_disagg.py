@@ -14,9 +14,9 @@ import zmq.asyncio
 from worker_helpers import Replies, prompt, reference_tokens, run, start_worker, stats, stub
 
 from llmfleet.models.loader import load_model
+from llmfleet.shared.core.host import host_id
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.convert import sampling_to_pb
-from llmfleet.shared.wire.cuda_ipc import host_id
 from llmfleet.shared.wire.transport import decode, encode
 from llmfleet.v1 import common_pb2, dataplane_pb2, worker_pb2
 

@@ -50,8 +50,7 @@ from llmfleet.models.loader import LoadedModel
 from llmfleet.models.parallel import TensorParallel
 from llmfleet.shared.core.config import EngineConfig
 from llmfleet.shared.core.errors import LLMFleetError
-from llmfleet.shared.core.host import host_id
-from llmfleet.shared.wire.cuda_ipc import device_uuid
+from llmfleet.shared.core.host import device_uuid, host_id
 
 if TYPE_CHECKING:
     from llmfleet.kernels.all_reduce import PeerAllReduce

@@ -1,4 +1,5 @@
-"""Which machine this process runs on, as processes that share GPU memory must agree on it."""
+"""Which machine and GPU this process runs on, as processes that share GPU memory must agree
+on them."""
 
 from __future__ import annotations
 
@@ -14,3 +15,10 @@ def host_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index`: one GPU's name in every process."""
+    import torch  # the layers under the wire import no torch at module level
+
+    return str(torch.cuda.get_device_properties(index).uuid)

@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from llmfleet.shared.core.errors import LLMFleetError
-from llmfleet.shared.core.host import host_id
+from llmfleet.shared.core.host import device_uuid, host_id
 from llmfleet.v1 import dataplane_pb2
 
 ERROR_PREFIX = "cuda-ipc: "  # how a receiver's refusal reads in its KVTransferAck.error
@@ -31,10 +31,6 @@ class IpcUnavailable(LLMFleetError):
 
     def __str__(self) -> str:
         return ERROR_PREFIX + super().__str__()
-
-
-def device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def export_buffer(t: torch.Tensor) -> dataplane_pb2.CudaIpcBuffer:
