@@ -6,10 +6,13 @@ One process a GPU (NCCL group). First correctness, every rank: the peer sum equa
 for bit (at two ranks both add once in float32 and round); the fused sum + residual + RMSNorm
 gives NCCL's sum + the norm kernel's residual bits and its normed values; and CUDA graphs of
 different row counts, replayed interleaved with eager calls on fresh inputs, keep agreeing
-(the per-row call numbers and the two slots stay in step across graphs). Then the time per
-call inside a CUDA graph of `--calls` chained calls, each consuming the last one's output as
-a decode step's layers do: NCCL all-reduce + the add-and-norm kernel (what a decoder layer ran
-before) against the fused kernel, and the bare sums.
+(the per-row call numbers and the two slots stay in step across graphs); a row-parallel
+projection's GEMV that pushes its row into the peers' cells gives the same bits as one that
+leaves the sending to the all-reduce, eager and in a graph. Then the time per call inside a
+CUDA graph of `--calls` chained calls, each consuming the last one's output as a decode step's
+layers do: NCCL all-reduce + the add-and-norm kernel (what a decoder layer ran before) against
+the fused kernel, and the bare sums; and at one row, a (hidden x hidden) GEMV followed by the
+fused call, with and without the push.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmfleet.kernels.all_reduce import PeerAllReduce, launch
+from llmfleet.kernels.dispatch import decode_linear
 from llmfleet.kernels.rms_norm import rms_norm
 
 EPS = 1e-5
@@ -97,6 +101,46 @@ def check(peer: PeerAllReduce, hidden: int, rank: int) -> list[str]:
     return bad
 
 
+def projected(peer: PeerAllReduce, proj: torch.Tensor, w: torch.Tensor, push: bool):
+    """fn(x, r) of a decoder layer's row-parallel half at one row: r's projection (this
+    rank's part), summed with the peers' + r, normalized; returns (normed, new residual)."""
+
+    def fn(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = decode_linear(r, proj, push=peer if push else None)
+        return peer(y, w, EPS, r)
+
+    return fn
+
+
+def check_push(peer: PeerAllReduce, hidden: int, rank: int) -> list[str]:
+    """A pushing GEMV against one that is not: the same bits, eager and graphed."""
+    dev = peer.device
+    gen = torch.Generator(device=dev).manual_seed(2000 + rank)
+    proj = torch.randn(hidden, hidden, device=dev, generator=gen).to(torch.bfloat16) / 64
+    w = torch.randn(hidden, device=dev, generator=gen).to(torch.bfloat16)
+    plain, pushing = projected(peer, proj, w, False), projected(peer, proj, w, True)
+    bad = []
+    r0 = torch.zeros(1, hidden, device=dev, dtype=torch.bfloat16)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        pushing(None, r0)  # warm-up (compiles)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = pushing(None, r0)
+    for it in range(20):
+        r = torch.randn(1, hidden, device=dev, generator=gen).to(torch.bfloat16)
+        want = plain(None, r)
+        if not all(torch.equal(a, b) for a, b in zip(pushing(None, r), want, strict=True)):
+            bad.append(f"pushed GEMV, eager, call {it}")
+        r0.copy_(r)
+        g.replay()
+        if not all(torch.equal(a, b) for a, b in zip(graphed, want, strict=True)):
+            bad.append(f"pushed GEMV, graphed, replay {it}")
+    return bad
+
+
 def time_graph(dev, calls: int, fn, rows: int, hidden: int) -> float:
     """Microseconds per call in a graph of `calls` chained calls of fn(x, residual)."""
     xs = [torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16) for _ in range(calls)]
@@ -135,7 +179,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev
     )
     peer = PeerAllReduce(None, dev)
-    bad = check(peer, args.hidden, rank)
+    bad = check(peer, args.hidden, rank) + check_push(peer, args.hidden, rank)
     flags = [None] * world
     dist.all_gather_object(flags, bad)
     w = torch.randn(args.hidden, device=dev, dtype=torch.bfloat16)
@@ -155,6 +199,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             ),
         }
         rows_out.append((rows, t))
+    proj = torch.randn(args.hidden, args.hidden, device=dev).to(torch.bfloat16) / 64
+    pushes = {}
+    for name, push in (("GEMV, then the fused call", False), ("pushing GEMV, fused", True)):
+        layer = projected(peer, proj, w, push)
+        pushes[name] = time_graph(dev, args.calls, lambda x, r: layer(x, r)[1], 1, args.hidden)  # noqa: B023
     if rank == 0:
         print(f"\n== all-reduce, {world}x {torch.cuda.get_device_name(dev)}, hidden {args.hidden}")
         print("correctness:", "all equal" if not any(flags) else flags)
@@ -164,6 +213,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             line = " ".join(f"{t[n]:16.2f}" for n in names)
             gain = t["NCCL + add&norm"] / t["fused one-shot"]
             print(f"{rows:4d} {line}  fused {gain:.2f}x faster")
+        print(f"one row after a {args.hidden}x{args.hidden} bf16 GEMV (us per pair, graph):")
+        for name, t in pushes.items():
+            print(f"  {name:<28} {t:8.2f}")
     dist.barrier()
     dist.destroy_process_group()
 

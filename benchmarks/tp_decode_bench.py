@@ -177,6 +177,7 @@ def main() -> None:
     p.add_argument("--trace", help="with --profile: write the Chrome trace (JSON) here")
     p.add_argument("--big", action="store_true", help="also: the 70B shape at TP=N (dummy)")
     p.add_argument("--only-big", action="store_true", help="only step 4 (with step 1)")
+    p.add_argument("--only-check", action="store_true", help="only step 2 (with step 1)")
     p.add_argument("--skip-check", action="store_true", help="leave out step 2")
     p.add_argument(
         "--skip-tp1",
@@ -216,6 +217,8 @@ def main() -> None:
     if not args.skip_check:
         rows.append(check_fp32(args, work, device, sizes))
         print(*rows, sep="\n", flush=True)  # so far, in case a later step fails
+    if args.only_check:
+        return print_rows(rows, "tiny on CPU" if args.tiny else "")
 
     # 3. the full shape in bf16 (tiny: float32)
     dtype, torch_dtype = ("bfloat16", torch.bfloat16) if gpu else ("float32", torch.float32)

@@ -1,11 +1,17 @@
 """Benchmark the attention and small-op kernels against the roofline and torch.
 
     python3 benchmarks/kernels/bench_attention.py [--sweep] [--json PATH]
+    python3 benchmarks/kernels/bench_attention.py --rope [--json PATH]
 
 Decode attention is memory-bound: its ceiling is device-to-device copy bandwidth, measured
 first (bytes read + written). Prefill is compute-bound: it is compared with torch SDPA (flash
 backend) on the same shapes. Small ops are compared with torch eager (their references).
 `--sweep` also times a grid of launch configs and prints the best of each kernel.
+
+`--rope` times only a decode step's rotary, KV cache write and attention at Llama-3-8B shapes
+(32 / 8 heads of 128, bf16, 16-token blocks), over batch sizes and contexts: the fused kernel
+(`paged_attention_decode_rope`) beside the pair it replaces (`rotary_kv_cache_write` then
+`paged_attention_decode`), each replayed in a CUDA graph as the engine's decode steps run.
 """
 
 from __future__ import annotations
@@ -16,16 +22,23 @@ import math
 import random
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from llmfleet.kernels.paged_attention_decode import (
     DecodeConfig,
     choose_partitions,
     paged_attention_decode,
+    paged_attention_decode_rope,
 )
 from llmfleet.kernels.paged_attention_prefill import PrefillConfig, paged_attention_prefill
 from llmfleet.kernels.rms_norm import rms_norm, rms_norm_ref
-from llmfleet.kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from llmfleet.kernels.rotary import (
+    Llama3RopeScaling,
+    build_cos_sin_cache,
+    rotary_embedding,
+    rotary_embedding_ref,
+)
+from llmfleet.kernels.rotary_kv_write import rotary_kv_cache_write
 from llmfleet.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 
 DEV = "cuda"
@@ -98,6 +111,54 @@ def bench_decode(sweep: bool, rows: list, best: dict) -> None:
         cfg = DecodeConfig(partition_size=part)
         ms = run(cfg)
         rows.append((f"decode b4 ctx32k {label}", ms, nbytes / ms / 1e6, "GB/s"))
+
+
+ROPE_CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096), (32, 4096), (64, 2048)]  # (b, ctx)
+
+
+def _time_decode_rope(batch: int, ctx: int, cos_sin: torch.Tensor) -> tuple[float, float]:
+    """(pair us, fused us) of one decode step: one new token per sequence at position
+    ctx - 1, its slot in a scattered block table, the grid sized from ctx."""
+    heads, kv_heads, dim = 32, 8, 128
+    cache, bt, lens = _paged_cache([ctx] * batch, kv_heads, dim, 16)
+    qkv = torch.randn(batch, heads + 2 * kv_heads, dim, device=DEV, dtype=BF16)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)  # views, as the layer's
+    pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=DEV)
+    slots = bt[:, (ctx - 1) // 16].long() * 16 + (ctx - 1) % 16
+    out = torch.empty_like(q)
+    scale = dim**-0.5
+
+    def pair() -> None:
+        rotary_kv_cache_write(pos, q, k, v, cos_sin, cache, slots)
+        paged_attention_decode(q, cache, bt, lens, scale, ctx, out)
+
+    def fused() -> None:
+        paged_attention_decode_rope(pos, q, k, v, cos_sin, cache, slots, bt, lens, scale, ctx, out)
+
+    pair_ms = do_bench_cudagraph(pair, rep=100, return_mode="median")
+    fused_ms = do_bench_cudagraph(fused, rep=100, return_mode="median")
+    return pair_ms * 1e3, fused_ms * 1e3
+
+
+def bench_decode_rope(best: dict) -> list[tuple[int, int, float, float]]:
+    """(batch, context, pair us, fused us) per `ROPE_CASES` entry, Llama-3-8B shapes."""
+    cos_sin = build_cos_sin_cache(128, 131072, 500000.0, Llama3RopeScaling(), device=DEV)
+    results = [(b, c, *_time_decode_rope(b, c, cos_sin)) for b, c in ROPE_CASES]
+    best["decode_rope"] = [
+        {"batch": b, "ctx": c, "pair_us": p, "fused_us": f} for b, c, p, f in results
+    ]
+    return results
+
+
+def print_decode_rope(results: list[tuple[int, int, float, float]]) -> None:
+    print("decode step, rotary + KV write + attention (us, CUDA-graph replay)")
+    print(f"{'batch':>5s} {'ctx':>6s} {'pair':>8s} {'fused':>8s} {'saved':>8s} {'speedup':>8s}")
+    for batch, ctx, pair_us, fused_us in results:
+        saved = pair_us - fused_us
+        print(
+            f"{batch:5d} {ctx:6d} {pair_us:8.2f} {fused_us:8.2f} {saved:8.2f} "
+            f"{pair_us / fused_us:7.2f}x"
+        )
 
 
 def bench_prefill(sweep: bool, rows: list, best: dict) -> None:
@@ -175,10 +236,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configs")
     parser.add_argument("--json", help="write all numbers here")
+    parser.add_argument(
+        "--rope",
+        action="store_true",
+        help="only the decode step's rotary + attention: fused kernel against the pair",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list[tuple[str, float, float, str]] = []
     best: dict = {"device": torch.cuda.get_device_name(0)}
+    if args.rope:
+        print(best["device"])
+        print_decode_rope(bench_decode_rope(best))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(best, f, indent=1)
+        return
     copy = copy_bandwidth()
     rows.append(("device copy (ceiling)", float("nan"), copy, "GB/s"))
     bench_decode(args.sweep, rows, best)

@@ -17,11 +17,13 @@ from llmfleet.kernels.all_reduce import (  # noqa: E402
     MAX_ROWS,
     ROW_BYTES,
     SLOTS,
+    PeerAllReduce,
     all_reduce_ref,
     as_sent,
     fill_empty,
     launch,
 )
+from llmfleet.kernels.gemv import GemvConfig, gemv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INT32_MAX = 2**31 - 1
@@ -150,3 +152,82 @@ def test_values_of_the_empty_pattern_are_sent_as_their_stand_in(dtype: torch.dty
     assert (sent[:5] == standin).all() and torch.equal(sent[5:], parts[1][0].view(width)[5:])
     assert torch.equal(got.view(width), all_reduce_ref(parts).view(width))  # bit for bit
     assert not (got.view(width) == empty).any()
+
+
+def pushing_peer(bufs: Buffers) -> PeerAllReduce:
+    """The group's host side (`PeerAllReduce`) over `bufs`, without the symmetric memory a
+    real group maps (its methods read only these fields)."""
+    peer = PeerAllReduce.__new__(PeerAllReduce)
+    peer.rank, peer.world, peer.device = bufs.rank, bufs.world, torch.device(DEVICE)
+    peer.data_ptrs, peer.seq, peer._pushed = bufs.data_ptrs, bufs.seq, None
+    return peer
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (3, 2)])
+@pytest.mark.parametrize("mode", ["sum", "residual"])
+def test_a_gemv_pushes_its_row_and_the_call_only_waits_for_the_peers(
+    world: int, rank: int, mode: str
+) -> None:
+    # A row-parallel projection's one row: the GEMV's programs write their slices into the
+    # peers' cells of the next call (two calls in, so the other slot), the call sums as if it
+    # had sent the row itself.
+    hidden, k, dtype = 72, 48, torch.float16
+    bufs = Buffers(rank, world)
+    peer = pushing_peer(bufs)
+    g = torch.Generator().manual_seed(world + rank)
+    w = torch.randn(hidden, k, generator=g).to(DEVICE, dtype)
+    w[3] = 0.0  # column 3 sums to -2^-34 (x[0] = 1, x[1] = 1 + 2^-10): -0.0, the EMPTY pattern
+    w[3, 0], w[3, 1] = 2.0**-24, -(2.0**-24)
+    weight = torch.randn(hidden, generator=g).to(DEVICE, dtype) if mode != "sum" else None
+    residual = torch.randn(1, hidden, generator=g).to(DEVICE, dtype) if mode != "sum" else None
+    for number in (1, 2):
+        x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+        x[0, 0], x[0, 1] = 1.0, 1.0 + 2.0**-10
+        out = torch.empty(1, hidden, dtype=dtype, device=DEVICE)
+        assert peer.takes_push(out)
+        gemv(x, w, config=GemvConfig(block_n=16, block_k=16), out=out, push=peer)
+        peer.note_push(out)
+        assert out.view(torch.int16)[0, 3] == EMPTY[2][0]  # a -0.0 left as computed here
+        for cell in bufs.sent(number, 0, hidden, dtype):  # already in every peer's buffer
+            assert torch.equal(cell, as_sent(out[0]))
+        parts = [torch.randn(1, hidden, generator=g).to(DEVICE, dtype) for _ in range(world)]
+        parts[rank] = out.clone()
+        bufs.peers_ready(number, parts)
+        got = peer(out, weight, 1e-6, residual)
+        want = all_reduce_ref(parts, weight, 1e-6, residual)
+        if mode == "sum":
+            assert got is out and torch.equal(got, want)
+        else:
+            assert torch.equal(got[1], want[1])
+            assert rel_err(got[0], want[0]) < 1e-2
+        assert bufs.seq[0].item() == number
+        assert bufs.all_empty(rank, number, 1, hidden, dtype)
+
+
+def test_a_push_not_summed_next_breaks_the_group_loudly() -> None:
+    bufs = Buffers(0, 2)
+    peer = pushing_peer(bufs)
+    x = torch.randn(1, 32, device=DEVICE).half()
+    w = torch.randn(64, 32, device=DEVICE).half()
+    out = torch.empty(1, 64, dtype=torch.float16, device=DEVICE)
+    assert not peer.takes_push(torch.empty(2, 64, dtype=torch.float16, device=DEVICE))
+    assert not peer.takes_push(torch.empty(1, 64, device=DEVICE))  # float32: not 16-bit
+    gemv(x, w, out=out, push=peer)
+    peer.note_push(out)
+    with pytest.raises(RuntimeError, match="never summed"):
+        peer.takes_push(out)
+    other = out.clone()
+    with pytest.raises(RuntimeError, match="not summed next"):
+        peer(other)
+    with pytest.raises(RuntimeError, match="out of step"):  # and every call after it
+        peer(other)
+    assert bufs.seq[0].item() == 0  # no call ran
+
+
+def test_a_pushing_gemv_rejects_what_it_cannot_push() -> None:
+    peer = pushing_peer(Buffers(0, 2))
+    x = torch.randn(1, 32, device=DEVICE).half()
+    with pytest.raises(ValueError, match="pushed GEMV"):
+        gemv(x, torch.randn(64, 32, device=DEVICE).half(), gated=True, push=peer)
+    with pytest.raises(ValueError, match="pushed GEMV"):
+        gemv(x, torch.randn(64, 32, device=DEVICE).half(), out=torch.empty(1, 64), push=peer)

@@ -1,4 +1,5 @@
-"""Paged attention and KV-cache write kernels against their PyTorch references.
+"""Paged attention and KV-cache write kernels against their PyTorch references; decode
+attention with the rotary and the cache write folded in against the two kernels it replaces.
 
 Small-size tests run everywhere: compiled on a CUDA machine, in Triton's interpreter on the
 CPU. `gpu` tests run the compiled kernels at real sizes on fresh random bf16 data, with outputs
@@ -28,12 +29,16 @@ from llmfleet.kernels.paged_attention_decode import (  # noqa: E402
     DecodeConfig,
     paged_attention_decode,
     paged_attention_decode_ref,
+    paged_attention_decode_rope,
+    paged_attention_decode_rope_ref,
 )
 from llmfleet.kernels.paged_attention_prefill import (  # noqa: E402
     PrefillConfig,
     paged_attention_prefill,
     paged_attention_prefill_ref,
 )
+from llmfleet.kernels.rotary import build_cos_sin_cache  # noqa: E402
+from llmfleet.kernels.rotary_kv_write import rotary_kv_cache_write  # noqa: E402
 from llmfleet.models.attention.metadata import AttentionMetadata  # noqa: E402
 from llmfleet.models.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
@@ -164,6 +169,157 @@ def test_decode_other_block_sizes_fp16(block_size: int) -> None:
     assert rel_err(out, paged_attention_decode_ref(*args)) < 2e-3
 
 
+class RopeStep:
+    """A decode step as the attention layer gives it to `paged_attention_decode_rope`: rows
+    (one new token each; `rows_of` tokens per sequence, consecutive, as a sequence's drafts
+    are) over a random paged cache, q, k and v as views of one fused (rows, (H + 2 Hkv) D)
+    qkv activation, rotary positions and table, and the rows' slots (`padding` rows: -1)."""
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        num_heads: int,
+        num_kv_heads: int,
+        rot_dim: int,
+        dtype: torch.dtype,
+        rows_of: list[int] | None = None,
+        padding: tuple[int, ...] = (),
+        head_dim: int = 64,
+        seed: int = 0,
+    ) -> None:
+        rows_of = rows_of or [1] * len(seq_lens)
+        self.batch = PagedBatch(seq_lens, num_kv_heads, head_dim, 16, dtype, DEVICE, seed=seed)
+        lens, tables = [], []
+        for n, r, table in zip(seq_lens, rows_of, self.batch.tables, strict=True):
+            lens += range(n - r + 1, n + 1)  # row j of a sequence: context n - r + 1 + j
+            tables += [table] * r
+        bs = self.batch.block_size
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for n, t in zip(lens, tables, strict=True)]
+        for i in padding:
+            slots[i] = -1
+        self.num_rows, self.dim = len(lens), head_dim
+        self.heads, self.kv_heads = num_heads, num_kv_heads
+        width = self.batch.block_tables.shape[1]
+        self.block_tables = torch.tensor(
+            [t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+        )
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+        g = torch.Generator().manual_seed(seed + 1)
+        qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+        self.qkv = qkv.to(device=DEVICE, dtype=dtype)
+        self.positions = torch.randint(1, 256, (len(lens),), generator=g).to(DEVICE)
+        self.cos_sin = build_cos_sin_cache(rot_dim, 256, 500000.0, device=DEVICE)
+
+    def views(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = (self.num_rows, self.heads + 2 * self.kv_heads, self.dim)
+        q, k, v = qkv.view(shape).split([self.heads, self.kv_heads, self.kv_heads], 1)
+        return q, k, v
+
+    def fused(self, fn=paged_attention_decode_rope, config: DecodeConfig | None = None, **kw):
+        """(out, cache after, qkv after) of one fused call on copies of the inputs."""
+        qkv, cache = self.qkv.clone(), self.batch.kv_cache.clone()
+        q, k, v = self.views(qkv)
+        if config is not None:
+            kw["config"] = config
+        out = fn(
+            self.positions, q, k, v, self.cos_sin, cache, self.slot_mapping, self.block_tables,
+            self.seq_lens, 0.125, int(self.seq_lens.max()), **kw,
+        )  # fmt: skip
+        return out, cache, qkv
+
+    def two_kernels(self, config: DecodeConfig | None = None):
+        """The same from `rotary_kv_cache_write` then `paged_attention_decode`."""
+        qkv, cache = self.qkv.clone(), self.batch.kv_cache.clone()
+        q, k, v = self.views(qkv)
+        rotary_kv_cache_write(self.positions, q, k, v, self.cos_sin, cache, self.slot_mapping)
+        out = paged_attention_decode(
+            q, cache, self.block_tables, self.seq_lens, 0.125, int(self.seq_lens.max()),
+            config=config,
+        )  # fmt: skip
+        return out, cache, qkv
+
+
+# In the interpreter tl.dot multiplies bf16 operands as their raw 16-bit patterns (triton
+# 3.9), so bf16 outputs are compared with the two kernels' bit for bit, not with a reference.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("partition_size", [None, 32])  # one partition; split, last reduces
+@pytest.mark.parametrize("rot_dim", [64, 32])  # full and partial rotary
+def test_decode_rope_equals_rotary_write_then_decode(
+    dtype: torch.dtype, group: int, partition_size: int | None, rot_dim: int
+) -> None:
+    step = RopeStep([1, 15, 16, 17, 47, 80], 2 * group, 2, rot_dim, dtype, padding=(2,), seed=group)
+    cfg = dataclasses.replace(SMALL_DECODE, partition_size=partition_size)
+    out, cache, qkv = step.fused(config=cfg)
+    want, want_cache, _ = step.two_kernels(config=cfg)
+    assert torch.equal(out, want)
+    assert torch.equal(cache, want_cache)
+    assert torch.equal(qkv, step.qkv), "q, k and v are left as they were: unrotated"
+    # Only the real rows' slots changed: each now holds its row's rotated k and its v.
+    changed = (cache != step.batch.kv_cache).any(-1).any(-1).any(0).flatten()  # (slots,)
+    real = step.slot_mapping[step.slot_mapping >= 0]
+    assert changed.nonzero().flatten().tolist() == sorted(real.tolist())
+    if dtype == torch.float32:
+        ref, ref_cache, _ = step.fused(paged_attention_decode_rope_ref)
+        assert rel_err(out, ref) < FP32_TOL and rel_err(cache, ref_cache) < 1e-6
+
+
+@pytest.mark.parametrize("reduce_last", [True, False])
+def test_decode_rope_drafts_as_rows(reduce_last: bool) -> None:
+    """A sequence's token and its drafts as consecutive rows over one block table (context
+    n - 2, n - 1, n: each row reads the rows before it), in 16-token partitions that split
+    them; a padding row at the end, as in a padded CUDA graph."""
+    step = RopeStep([33, 18, 1], 8, 2, 64, torch.float32, rows_of=[3, 2, 1], padding=(5,))
+    cfg = DecodeConfig(16, 1, 1, partition_size=16, reduce_last=reduce_last)
+    out, cache, _ = step.fused(config=cfg)
+    want, want_cache, _ = step.two_kernels(config=cfg)
+    assert torch.equal(out, want) and torch.equal(cache, want_cache)
+
+
+def test_decode_rope_row_stores_the_rows_before_it() -> None:
+    """Row 2's programs store the tokens of rows 0 and 1 (its sequence's, at the two positions
+    before its own) as well as its own, since nothing orders the rows' programs on a GPU. The
+    interpreter runs rows in order; here rows 0 and 1 are given no context, so that their own
+    programs store nothing and the cache can only have been written by row 2's."""
+    step = RopeStep([18], 4, 2, 64, torch.float32, rows_of=[3])  # tokens at 15, 16, 17
+    step.seq_lens[:2] = 0
+    for part in (None, 16):  # row 2's tokens in one partition; split over two
+        cfg = dataclasses.replace(SMALL_DECODE, partition_size=part)
+        out, cache, _ = step.fused(config=cfg)
+        want, want_cache, _ = step.two_kernels(config=cfg)  # writes every row's token
+        assert torch.equal(out[2], want[2]) and torch.equal(cache, want_cache)
+
+
+def test_decode_rope_dispatch_and_arguments() -> None:
+    step = RopeStep([5, 20], 4, 2, 64, torch.float32)
+    forced, _, _ = step.fused(dispatch.paged_attention_decode_rope, force_triton=True)
+    assert torch.equal(forced, step.fused()[0])
+    if DEVICE == "cpu":  # without force_triton, CPU tensors take the reference
+        ref, _, qkv = step.fused(dispatch.paged_attention_decode_rope)
+        assert torch.equal(ref, step.fused(paged_attention_decode_rope_ref)[0])
+        assert torch.equal(qkv, step.qkv)
+    good = dict(zip(["positions", "q", "k", "v", "cos", "cache", "slots"], (
+        step.positions, *step.views(step.qkv), step.cos_sin, step.batch.kv_cache,
+        step.slot_mapping,
+    ), strict=True))  # fmt: skip
+    bad = {
+        "positions": ("positions", step.positions[:1]),
+        "k/v must be": ("v", step.views(step.qkv)[2][:, :1]),
+        "cos_sin_cache": ("cos", torch.zeros(256, 66, device=DEVICE)),
+        "slot_mapping": ("slots", step.slot_mapping.int()),
+        "^k must have unit stride": ("k", step.views(step.qkv.clone())[1].transpose(1, 2)
+                                     .contiguous().transpose(1, 2)),
+    }  # fmt: skip
+    for message, (name, value) in bad.items():
+        args = {**good, name: value}
+        for fn in (paged_attention_decode_rope, paged_attention_decode_rope_ref):
+            if message.startswith("^") and fn is paged_attention_decode_rope_ref:
+                continue  # the reference does not need unit strides
+            with pytest.raises(ValueError, match=message):
+                fn(*args.values(), step.block_tables, step.seq_lens, 0.125, 20)
+
+
 # (query_len, seq_len) per sequence: full prefill, chunked continuation, prefix hit, decode rows.
 PREFILL_CASES = {
     "full": [(20, 20), (1, 1), (33, 33)],
@@ -292,6 +448,27 @@ def test_decode_gpu(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         out = paged_attention_decode(*args, batch.max_seq_len, out=_poisoned(q), config=cfg)
         torch.cuda.synchronize()
         assert rel_err(out, ref) < 1e-2, part
+
+
+@pytest.mark.gpu
+def test_decode_rope_gpu() -> None:
+    """Llama-3-8B shapes in bf16: 40 sequences of random length, every fourth with three
+    drafts as rows after its token, two padding rows last; the fused kernel equals the two
+    kernels bit for bit, launch after launch (drafts' rows read each other's stores)."""
+    rng = random.Random(3)
+    lens = [rng.randint(4, 3000) for _ in range(38)] + [4096, 4]
+    rows_of = [4 if i % 4 == 0 else 1 for i in range(len(lens))]
+    step = RopeStep(lens, 32, 8, 128, torch.bfloat16, rows_of, padding=(-2, -1), head_dim=128)
+    ref, ref_cache, _ = step.fused(paged_attention_decode_rope_ref)
+    for part in (None, 256, 8192):  # auto, many partitions, single partition
+        cfg = DecodeConfig(partition_size=part)
+        want, want_cache, _ = step.two_kernels(config=cfg)
+        for _ in range(3):
+            out, cache, qkv = step.fused(config=cfg)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want) and torch.equal(cache, want_cache), part
+        assert torch.equal(qkv, step.qkv)
+        assert rel_err(out, ref) < 1e-2 and rel_err(cache, ref_cache) < 1e-2
 
 
 GPU_PREFILL_CASES = {

@@ -1,5 +1,7 @@
 """The fused rotary + KV cache write kernel against `rotary_embedding` then `kv_cache_write`
-(bit for bit) and against its PyTorch reference; the attention backends' `rope=` path.
+(bit for bit) and against its PyTorch reference; the attention backends' `rope=` path (a pure
+decode step in the Triton backend: decode attention with the rotary and cache write folded
+in, against the two launches it replaces).
 
 Small-size tests run compiled on a CUDA machine and in Triton's interpreter on the CPU; the
 `gpu` test runs at Llama-3-8B sizes with the cache poisoned with NaN.
@@ -29,6 +31,7 @@ from llmfleet.kernels.rotary_kv_write import (  # noqa: E402
     rotary_kv_cache_write,
     rotary_kv_cache_write_ref,
 )
+from llmfleet.models.attention.backend import AttentionBackend  # noqa: E402
 from llmfleet.models.attention.metadata import AttentionMetadata  # noqa: E402
 from llmfleet.models.attention.reference import TorchReferenceBackend  # noqa: E402
 from llmfleet.models.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -244,9 +247,12 @@ def test_triton_backend_rope_equals_rotating_first(phase: str) -> None:
     else:  # a fresh prompt and a chunk over a cached prefix
         meta, qkv, cache, rope, shape = _step([3, 5], [3, 7])
     backend = TritonAttentionBackend(force_triton=True)
-    q, k, v = _split(qkv.clone(), *shape)
+    qkv_a = qkv.clone()
+    q, k, v = _split(qkv_a, *shape)
     cache_a = cache.clone()
     out_a = backend.forward(q, k, v, cache_a, meta, 0.2, rope=rope)
+    if phase == "decode":  # one kernel, the rotation in registers: q and k stay as they were
+        assert torch.equal(qkv_a, qkv)
     q, k, v = _split(qkv.clone(), *shape)
     dispatch.rotary_embedding(rope.positions, q, k, rope.table, force_triton=True)
     cache_b = cache.clone()
@@ -274,6 +280,31 @@ def test_tiny_model_through_triton_backend_matches_reference(arch: str, make_che
         logits.append(first + last)
     for ours, ref in zip(*logits, strict=True):
         assert_logits_close(ours, ref)
+
+
+class _TwoLaunches(TritonAttentionBackend):
+    """The Triton backend without the fused decode: rotary + KV write, then attention, on
+    every step (the base class's `forward`)."""
+
+    forward = AttentionBackend.forward
+
+
+def test_tiny_model_fused_decode_equals_two_launches(make_checkpoint_module) -> None:
+    """A prefill and two decode steps of a tiny Llama 3: the decode steps' logits through the
+    fused decode kernel equal those of the two launches it replaces, bit for bit."""
+    path = str(make_checkpoint_module("llama3_rope"))
+    logits = []
+    for backend in (TritonAttentionBackend(force_triton=True), _TwoLaunches(force_triton=True)):
+        loaded = load_model(path, backend=backend, progress=False)
+        prompts = random_prompts(loaded.spec.vocab_size)
+        runner = Runner(loaded, PROMPT_LENS)
+        steps = [runner.step([p[:-2] for p in prompts], [0, 0, 0])]
+        for back in (2, 1):
+            chunks = [p[-back : len(p) - back + 1] for p in prompts]
+            steps.append(runner.step(chunks, [n - back for n in PROMPT_LENS]))
+        logits.append([t for step in steps for t in step])
+    for ours, before in zip(*logits, strict=True):
+        assert torch.equal(ours, before)
 
 
 # ----------------------------------------------------------------------------- GPU, real sizes

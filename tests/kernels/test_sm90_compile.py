@@ -18,6 +18,6 @@ def test_kernels_compile_for_sm90() -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("compiled ")]
-    # all-reduce 3 dtypes x 3, GEMV 4, argmax 2, decode attention 2, rotary + KV write 1,
-    # skinny GEMM 2
-    assert len(lines) == 9 + 4 + 2 + 2 + 1 + 2, done.stdout
+    # all-reduce 3 dtypes x 3, GEMV 5, argmax 2, decode attention 2 x (with and without
+    # rotary), rotary + KV write 1, skinny GEMM 2, vocabulary-parallel embedding 1
+    assert len(lines) == 9 + 5 + 2 + 4 + 1 + 2 + 1, done.stdout

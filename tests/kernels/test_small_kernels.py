@@ -1,4 +1,5 @@
-"""RMSNorm (+ residual), rotary embedding and SiLU-and-mul kernels against their references.
+"""RMSNorm (+ residual), rotary embedding, SiLU-and-mul and the vocabulary-parallel embedding
+lookup kernels against their references.
 
 Small-size tests run compiled on a CUDA machine and in Triton's interpreter on the CPU; `gpu`
 tests run at real model sizes on fresh random bf16 data with outputs poisoned with NaN.
@@ -24,6 +25,7 @@ from llmfleet.kernels.rotary import (  # noqa: E402
     rotary_embedding,
     rotary_embedding_ref,
 )
+from llmfleet.kernels.shard_embedding import shard_embedding, shard_embedding_ref  # noqa: E402
 from llmfleet.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,6 +111,22 @@ def test_silu_and_mul_matches_ref(inter: int, dtype: torch.dtype) -> None:
     x = torch.randn(5, 2 * inter, device=DEVICE, dtype=dtype)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < tol
+
+
+@pytest.mark.parametrize("hidden", [64, 1500])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shard_embedding_takes_its_rows_and_zeros_the_rest(hidden: int, dtype) -> None:
+    # Rows [40, 70) of a 100-id vocabulary: ids below, inside (both ends) and above.
+    table = torch.randn(30, hidden, device=DEVICE).to(dtype)
+    ids = torch.tensor([0, 39, 40, 55, 69, 70, 99, 41], device=DEVICE)
+    got = shard_embedding(ids, table, 40)
+    want = torch.zeros(len(ids), hidden, dtype=dtype, device=DEVICE)
+    for t, i in enumerate(ids.tolist()):
+        if 40 <= i < 70:
+            want[t] = table[i - 40]
+    assert torch.equal(got, want) and torch.equal(shard_embedding_ref(ids, table, 40), want)
+    assert torch.equal(dispatch.shard_embedding(ids.int(), table, 40, force_triton=True), want)
+    assert shard_embedding(ids[:0], table, 40).shape == (0, hidden)
 
 
 def test_dispatch_small_ops_force_triton() -> None:

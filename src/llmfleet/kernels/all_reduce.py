@@ -30,15 +30,24 @@ rank order (every rank adds the same values in the same order, so all get the sa
 add, normalize, store. One NVLink crossing per row, and no release fence, whose round trip
 (the peer acknowledging the row before the flag may follow) a flag protocol pays.
 
+A pushed call: a one-row projection whose result is this rank's part of the next call's sum
+(a row-parallel GEMV, kernels/gemv.py) writes it into the peers' cells itself, each program its
+slice as it finishes (`push_slice`: the cell of call seq[0] + 1, as the call will number
+itself). The call then runs with PUSHED: it numbers itself and waits for the peers' rows but
+sends nothing, so the row's crossing overlaps the end of the projection and this kernel's
+launch. `PeerAllReduce.note_push` records the pushed tensor: the next call must sum exactly it
+(anything else leaves a row in the peers' cells that no call expects, so the all-reduce refuses
+every later call).
+
 Why two slots are enough: a peer rewrites a slot-s cell only at the call after next on that
 row, and to get there it must pass the next call on that row, which needs this rank's row of
-that call, which this rank sends only after the current call has ended (stream order; under
-PDL no program touches memory before the kernel before it has ended), and with it the refill
-of the cell. Every rank runs the same calls with the same row counts (tensor parallelism
-requires it), so the per-row numbers agree across ranks whether a call is eager or inside a
-CUDA graph; equality with a wrapping int32 needs no reset. A rank that stops answering leaves
-its peers waiting, as NCCL does; NCCL's watchdog on the step's next collective (the logits'
-gather) ends the process.
+that call, which this rank sends only after the current call has ended (stream order; under PDL
+no program touches memory before the kernel before it has ended: a pushing GEMV reads only its
+weight before that wait), and with it the refill of the cell. Every rank runs the same calls
+with the same row counts (tensor parallelism requires it), so the per-row numbers agree across
+ranks whether a call is eager or inside a CUDA graph; equality with a wrapping int32 needs no
+reset. A rank that stops answering leaves its peers waiting, as NCCL does; NCCL's watchdog on
+the step's next collective (the logits' gather) ends the process.
 """
 
 from __future__ import annotations
@@ -81,6 +90,53 @@ def _bits(v, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _as_sent(v, WIDE: tl.constexpr, EMPTY: tl.constexpr, STANDIN: tl.constexpr):
+    """v's bits as a sender writes them: never the EMPTY pattern (its stand-in instead)."""
+    bits = _bits(v, WIDE)
+    return tl.where(bits == EMPTY, STANDIN, bits).to(bits.dtype)
+
+
+@triton.jit
+def _cell(seq, row, MAX_ROWS: tl.constexpr):
+    """The (slot, row) cell index of call number `seq` on `row` (& keeps a wrapped number's
+    parity)."""
+    return (seq & 1) * MAX_ROWS + row
+
+
+@triton.jit
+def _send(bits, cols, mask, cell, data_ptrs, RANK: tl.constexpr, WORLD: tl.constexpr,
+          ROW_ELEMS: tl.constexpr):  # fmt: skip
+    """Store `bits` at columns `cols` of this rank's place in `cell` of every peer's buffer."""
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            theirs = tl.load(data_ptrs + p).to(tl.pointer_type(bits.dtype))
+            tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, bits, mask=mask)
+
+
+@triton.jit
+def push_slice(
+    values,  # (BLOCK,) 16-bit: columns `cols` of this rank's row 0, as the GEMV stores them
+    cols,
+    mask,
+    data_ptrs,  # int64 (WORLD,): every rank's data buffer
+    seq_ptr,  # int32 (MAX_ROWS,): this rank's call numbers per row
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    ROW_ELEMS: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    EMPTY: tl.constexpr,
+    STANDIN: tl.constexpr,
+):
+    """A one-row projection's epilogue (kernels/gemv.py): send these columns of its result to
+    the peers as the next all-reduce call on row 0 will (the call then runs with PUSHED and
+    only waits for theirs). That call's number is seq[0] + 1: the kernel that takes it has not
+    started (stream order), and the previous call on row 0 has ended."""
+    seq = tl.load(seq_ptr) + 1
+    bits = _as_sent(values, False, EMPTY, STANDIN)
+    _send(bits, cols, mask, _cell(seq, 0, MAX_ROWS), data_ptrs, RANK, WORLD, ROW_ELEMS)
+
+
+@triton.jit
 def _all_reduce_kernel(
     x_ptr,  # (rows, H) this rank's addend, unit stride in H
     stride_x,  # elements between rows of x
@@ -103,6 +159,7 @@ def _all_reduce_kernel(
     STANDIN: tl.constexpr,  # what a sender writes for a value of the EMPTY pattern
     HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
+    PUSHED: tl.constexpr,  # x's one row is already in the peers' buffers (push_slice)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     pdl_start(PDL)
@@ -111,16 +168,13 @@ def _all_reduce_kernel(
     mask = cols < H
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
-    bits = _bits(x, WIDE)
-    bits = tl.where(bits == EMPTY, STANDIN, bits).to(bits.dtype)  # never send the EMPTY pattern
+    bits = _as_sent(x, WIDE, EMPTY, STANDIN)
     seq = tl.load(seq_ptr + row) + 1
     tl.debug_barrier()  # every thread has read the old number before it is replaced
     tl.store(seq_ptr + row, seq)
-    cell = (seq & 1) * MAX_ROWS + row  # (slot, row); & keeps a wrapped number's parity
-    for p in tl.static_range(WORLD):  # this rank's row into every peer's buffer
-        if p != RANK:
-            theirs = tl.load(data_ptrs + p).to(tl.pointer_type(bits.dtype))
-            tl.store(theirs + (cell * WORLD + RANK) * ROW_ELEMS + cols, bits, mask=mask)
+    cell = _cell(seq, row, MAX_ROWS)
+    if not PUSHED:  # else the GEMV that computed x has written it to the peers (push_slice)
+        _send(bits, cols, mask, cell, data_ptrs, RANK, WORLD, ROW_ELEMS)
     mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(bits.dtype))
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for p in tl.static_range(WORLD):
@@ -148,6 +202,9 @@ def _all_reduce_kernel(
         tl.store(out_row, s, mask=mask)
 
 
+BROKEN = torch.empty(0)  # PeerAllReduce._pushed after a push that was not summed next
+
+
 class PeerAllReduce:
     """The one-shot all-reduce of one process group whose ranks are GPUs of this host (every
     rank builds one, collectively). `fits` says which tensors it takes; others go to NCCL."""
@@ -165,6 +222,10 @@ class PeerAllReduce:
         self._handle = symm_mem.rendezvous(self._data, group)
         self.data_ptrs = torch.tensor(self._handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.seq = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        # The row a GEMV pushed and the next call must sum (`note_push`); BROKEN after a
+        # push was not followed by its sum: the peers' cells may hold a row no call expects,
+        # so every later use fails loudly instead of summing the wrong rows.
+        self._pushed: torch.Tensor | None = None
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's cells are EMPTY before anyone writes
 
@@ -188,10 +249,29 @@ class PeerAllReduce:
         eps: float = 1e-6,
         residual: torch.Tensor | None = None,  # (rows, H): added to the sum first
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The sum over the group (written into `x`), or with `weight` (normed, sum)."""
+        """The sum over the group (written into `x`), or with `weight` (normed, sum). Where
+        `x` is the row a GEMV pushed (`note_push`), the call only waits for the peers' rows."""
         if not self.fits(x):
             raise ValueError(f"{tuple(x.shape)} {x.dtype} on {x.device} is not for this all-reduce")
-        return launch(self, x, weight, eps, residual)
+        pushed = self._pushed is not None
+        if pushed and x is not self._pushed:
+            self._pushed = BROKEN
+            raise RuntimeError(
+                "a pushed row was not summed next: the group's cells are out of step"
+            )
+        self._pushed = None
+        return launch(self, x, weight, eps, residual, pushed)
+
+    def takes_push(self, out: torch.Tensor) -> bool:
+        """Whether a one-row 16-bit projection may write its result `out` (1, H) into the
+        peers' buffers as it computes it (`push_slice`), the next call here summing `out`."""
+        if self._pushed is not None:
+            raise RuntimeError("the previous pushed row was never summed: cells out of step")
+        return out.shape[0] == 1 and out.element_size() == 2 and self.fits(out)
+
+    def note_push(self, out: torch.Tensor) -> None:
+        """`out` was pushed (its kernel is launched): the next call must sum exactly it."""
+        self._pushed = out
 
 
 class PeerState(Protocol):
@@ -209,8 +289,11 @@ def launch(
     weight: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None,
+    pushed: bool = False,  # x (one row) is in the peers' buffers already (`push_slice`)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     rows, hidden = x.shape
+    if pushed and rows != 1:
+        raise ValueError(f"a pushed call has one row, got {rows}")
     if residual is not None and (weight is None or residual.shape != x.shape):
         raise ValueError("a residual is added only with a norm weight, and matches x")
     if weight is not None and weight.shape != (hidden,):
@@ -232,7 +315,7 @@ def launch(
         RANK=peer.rank, WORLD=peer.world, H=hidden, BLOCK=block,
         ROW_ELEMS=ROW_BYTES // x.element_size(), MAX_ROWS=MAX_ROWS,
         WIDE=x.element_size() == 4, EMPTY=empty, STANDIN=standin,
-        HAS_RESIDUAL=residual is not None, NORM=norm, PDL=chained,
+        HAS_RESIDUAL=residual is not None, NORM=norm, PUSHED=pushed, PDL=chained,
         num_warps=min(max(block // 256, 1), 16), launch_pdl=chained,
     )  # fmt: skip
     return (out, total) if norm else out

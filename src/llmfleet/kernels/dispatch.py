@@ -8,6 +8,8 @@ two paths agree on arguments and results.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -23,9 +25,13 @@ import llmfleet.kernels.rms_norm as _rms
 import llmfleet.kernels.rotary as _rot
 import llmfleet.kernels.rotary_kv_write as _rkv
 import llmfleet.kernels.scaled_mm as _smm
+import llmfleet.kernels.shard_embedding as _emb
 import llmfleet.kernels.silu_and_mul as _silu
 import llmfleet.kernels.skinny_gemm as _skinny
 from llmfleet.kernels.triton_utils import interpreting
+
+if TYPE_CHECKING:
+    from llmfleet.kernels.all_reduce import PeerAllReduce
 
 
 def use_triton(t: torch.Tensor, force_triton: bool = False) -> bool:
@@ -61,6 +67,42 @@ def paged_attention_decode(
     else:
         fn = _decode.paged_attention_decode_ref
     return fn(q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out=out)
+
+
+def paged_attention_decode_rope(
+    positions: torch.Tensor,  # int (num_seqs,)
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim), unrotated; left as it is
+    k: torch.Tensor,  # (num_seqs, num_kv_heads, head_dim), unrotated; left as it is
+    v: torch.Tensor,  # (num_seqs, num_kv_heads, head_dim)
+    cos_sin_cache: torch.Tensor,  # (max_position, rot_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), in place
+    slot_mapping: torch.Tensor,  # int64 (num_seqs,), < 0 = skip the cache write
+    block_tables: torch.Tensor,  # int32 (num_seqs, max_blocks_per_seq)
+    seq_lens: torch.Tensor,  # int32 (num_seqs,)
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """`rotary_kv_cache_write` then `paged_attention_decode`, in one launch."""
+    if use_triton(q, force_triton):
+        fn = _decode.paged_attention_decode_rope
+    else:
+        fn = _decode.paged_attention_decode_rope_ref
+    return fn(
+        positions,
+        q,
+        k,
+        v,
+        cos_sin_cache,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        scale,
+        max_seq_len,
+        out=out,
+    )
 
 
 def paged_attention_prefill(
@@ -128,16 +170,25 @@ def decode_linear(
     bias: torch.Tensor | None = None,
     force_triton: bool = False,
     out: torch.Tensor | None = None,  # (M, N) of x's dtype or float32: written and returned
+    push: PeerAllReduce | None = None,  # the group whose next all-reduce sums the result
 ) -> torch.Tensor:  # (M, N)
     """x @ weight.T (+ bias) at decode batch sizes, for 16-bit x and weight of one dtype (the
     weight unit-stride along K): one row runs the GEMV; 2..MAX_M rows run the skinny GEMM
     where this device's tuned file says it beat cuBLAS for the shape. Everything else (and
     everything off the GPU) runs `F.linear`. A float32 `out` receives the result's values
     (rounded to x's dtype, as `.float()` of it), without a separate conversion on our
-    kernels' paths."""
+    kernels' paths. `push`: the result is this rank's part of a sum that `push` takes next;
+    where it is one row the GEMV computes, the GEMV also writes it into the peers' buffers
+    (`PeerAllReduce.note_push`), so the sum only waits for theirs."""
     m, k = x.shape
     if _decode_kernels_serve(x, weight, force_triton):
         if m == 1:
+            if push is not None and out is None and k > 0:
+                out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+                if push.takes_push(out):
+                    _gemv.gemv(x, weight, bias, out=out, push=push)
+                    push.note_push(out)
+                    return out
             return _gemv.gemv(x, weight, bias, out=out)
         cfg = _skinny.choose(m, weight.shape[0], k, x.dtype, x.device)
         if cfg is not None and x.stride(1) == 1:
@@ -237,3 +288,16 @@ def argmax(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:  # (B, 
     ):
         return _argmax.argmax(x)
     return x.argmax(dim=-1)
+
+
+def shard_embedding(
+    ids: torch.Tensor,  # int (T,)
+    weight: torch.Tensor,  # (rows, hidden): this rank's vocabulary [start, start + rows)
+    start: int,
+    force_triton: bool = False,
+) -> torch.Tensor:  # (T, hidden)
+    """The embedding of the ids in this rank's rows, zeros for the others
+    (kernels/shard_embedding.py)."""
+    if use_triton(weight, force_triton):
+        return _emb.shard_embedding(ids, weight, start)
+    return _emb.shard_embedding_ref(ids, weight, start)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from llmfleet.kernels.all_reduce import EMPTY, MAX_ROWS, ROW_BYTES, PeerState, push_slice
 from llmfleet.kernels.silu_and_mul import silu_mul_rounded
 from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl
 from llmfleet.kernels.tuned_configs import TunedConfigs
@@ -83,6 +84,15 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EARLY: tl.constexpr,  # W is not written in this kernel chain: read its first tile early
+    data_ptrs=None,  # PUSH: int64 (WORLD,), every rank's all-reduce buffer (kernels/all_reduce)
+    seq_ptr=None,  # PUSH: int32, that all-reduce's call numbers per row
+    PUSH: tl.constexpr = False,  # also send the result to the peers (all_reduce.push_slice)
+    RANK: tl.constexpr = 0,
+    WORLD: tl.constexpr = 1,
+    ROW_ELEMS: tl.constexpr = 0,
+    MAX_ROWS: tl.constexpr = 0,
+    EMPTY: tl.constexpr = 0,
+    STANDIN: tl.constexpr = 0,
 ):
     # Under PDL the program starts while the kernel before it still runs (see pdl_start).
     # A weight no kernel of the chain writes (a model parameter) is read before the wait: its
@@ -125,7 +135,12 @@ def _gemv_kernel(
         y = silu_mul_rounded(y, y_up, x_ptr.dtype.element_ty)
     if ROUND:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n, y, mask=n_ok)
+    if PUSH:
+        push_slice(
+            y, offs_n, n_ok, data_ptrs, seq_ptr, RANK, WORLD, ROW_ELEMS, MAX_ROWS, EMPTY, STANDIN
+        )
 
 
 def default_gemv_config(n: int, k: int) -> GemvConfig:
@@ -197,11 +212,14 @@ def gemv(
     *,
     gated: bool = False,
     out: torch.Tensor | None = None,  # (1, N or I), x's dtype or (not gated) float32
+    push: PeerState | None = None,  # also send the result into these peers' all-reduce cells
 ) -> torch.Tensor:
     """Triton x @ weight.T (+ bias) for one row: `F.linear`'s function at M = 1. `gated`:
     silu(x @ gate.T) * (x @ up.T) instead, (1, I). A float32 `out` gets the values rounded to
     x's dtype first (module docstring). Gated, `config.block_n` counts the rows each program
-    takes from each half."""
+    takes from each half. `push`: each program also writes its slice of the result into the
+    peers' cells of that group's next all-reduce call (module docstring; not gated, 16-bit
+    out, N within a row of the all-reduce)."""
     _check(x, weight, bias, gated)
     check_last_dim_contiguous("weight", weight)
     k = weight.shape[1]
@@ -210,6 +228,8 @@ def gemv(
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     check_out(out, x, n, gated)
+    if push is not None and (gated or out.element_size() != 2 or n * 2 > ROW_BYTES or k == 0):
+        raise ValueError("a pushed GEMV is not gated, has K > 0 and a 16-bit row <= ROW_BYTES")
     if n == 0:
         return out
     if k == 0:
@@ -218,11 +238,19 @@ def gemv(
     cfg = config or get_config(weight.shape[0], k, x.dtype, x.device, gated)
     grid = (triton.cdiv(n, cfg.block_n),)
     chained = pdl(x.device)
+    pushing = {}
+    if push is not None:
+        empty, standin = EMPTY[2]
+        pushing = dict(
+            data_ptrs=push.data_ptrs, seq_ptr=push.seq, PUSH=True, RANK=push.rank,
+            WORLD=push.world, ROW_ELEMS=ROW_BYTES // 2, MAX_ROWS=MAX_ROWS, EMPTY=empty,
+            STANDIN=standin,
+        )  # fmt: skip
     launchable(_gemv_kernel)[grid](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, GATED=gated,
         ROUND=out.dtype != x.dtype, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=chained,
-        EARLY=isinstance(weight, torch.nn.Parameter),
+        EARLY=isinstance(weight, torch.nn.Parameter), **pushing,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=chained,
     )  # fmt: skip
     return out

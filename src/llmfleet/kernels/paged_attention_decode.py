@@ -30,6 +30,26 @@ spreads its own length over them: P = max(min_partition, seq_len / num_parts rou
 BLOCK_N), so a short context in a grid sized for a long one still runs on several programs of
 one tile each rather than on one program looping over its whole length. A fixed
 `DecodeConfig.partition_size` sets min_partition = P with num_parts = cdiv(max_seq_len, P).
+
+Rotary and cache write in the same launch (`paged_attention_decode_rope`, the ROPE flavour of
+the kernel): q and the new tokens' k and v arrive unrotated and not yet cached (views of the
+fused qkv activation). Every program rotates its group's query heads in registers, as
+kernels/rotary.py does (float32, rounded to q's dtype). The new token of row i sits at
+position seq_len - 1; the program whose partition holds it rotates that KV head's k, stores k
+and v at the row's slot (none when the slot is < 0), and passes a barrier before its loop, so
+its own loads see the stores (a program that stored nothing passes none):
+
+    row i, seq_len = 9000, P = 4096:   part 0          part 1          part 2
+                                       attend          attend          rotate k, store k, v
+                                                                       at slot[i]; barrier;
+                                                                       attend [8192, 9000)
+
+No other program reads that slot, except when rows continue one sequence (its drafts as
+decode rows: row i + 1 at position seq_len, over the same block table): then row i + 1's
+programs read row i's token, and no launch order guarantees that row i's programs have
+stored it. So a program also stores the tokens of the rows just before its own that continue
+its sequence (recognised by their slots) and fall in its partition. Stores of one token by
+several programs write the same bytes. q and k are left unrotated in memory.
 """
 
 from __future__ import annotations
@@ -41,8 +61,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llmfleet.kernels.kv_cache_write import check_kv_write_args
 from llmfleet.kernels.paged_kv import attention_output, attention_strides, check_q_and_kv_cache
-from llmfleet.kernels.triton_utils import interpreting, launchable, pdl, pdl_start
+from llmfleet.kernels.rotary import check_rotary_args, cos_sin_at, load_rotated
+from llmfleet.kernels.rotary_kv_write import rotary_kv_cache_write_ref
+from llmfleet.kernels.triton_utils import (
+    check_last_dim_contiguous,
+    interpreting,
+    launchable,
+    pdl,
+    pdl_start,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -56,7 +85,7 @@ def _partition_size(seq_len, min_partition, num_parts, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr,  # (num_seqs, num_heads, HEAD_DIM), unit stride in HEAD_DIM
+    q_ptr,  # (num_seqs, num_heads, HEAD_DIM), unit stride in HEAD_DIM; unrotated when ROPE
     kv_ptr,  # (2, num_blocks, CACHE_BLOCK, num_kv_heads, HEAD_DIM), unit stride in HEAD_DIM
     block_tables_ptr,  # int32 (num_seqs, max_blocks_per_seq)
     seq_lens_ptr,  # int32 (num_seqs,)
@@ -64,6 +93,11 @@ def _decode_partial_kernel(
     part_acc_ptr,  # fp32 (num_seqs, num_heads, num_parts, HEAD_DIM) contiguous
     part_ml_ptr,  # fp32 (2, num_seqs, num_heads, num_parts) contiguous: [0] = m, [1] = l
     arrived_ptr,  # int32 (num_seqs * num_kv_heads,) zeros: programs done per (seq, kv head)
+    k_ptr,  # ROPE: (num_seqs, num_kv_heads, HEAD_DIM) new unrotated keys, unit stride in HEAD_DIM
+    v_ptr,  # ROPE: their values, same shape; strides may differ (q, k, v: views of one qkv)
+    pos_ptr,  # ROPE: int64 (num_seqs,) each new token's row of cos_sin
+    cos_sin_ptr,  # ROPE: (max_position, 2 * HALF) contiguous: [cos | sin]
+    slot_ptr,  # ROPE: int64 (num_seqs,) each new token's cache slot, < 0 = not written
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     min_partition,  # fewest tokens per partition, a multiple of BLOCK_N
     num_parts,  # partitions per sequence (grid dim 2)
@@ -77,6 +111,10 @@ def _decode_partial_kernel(
     stride_c_off,  # elements between slots of one block
     stride_c_head,  # elements between kv heads of one slot
     stride_bt_seq,  # elements between rows of block_tables
+    stride_k_seq,  # ROPE: elements between sequences of k
+    stride_k_head,  # ROPE: elements between heads of k
+    stride_v_seq,  # ROPE: elements between sequences of v
+    stride_v_head,  # ROPE: elements between heads of v
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tensor-core rows)
@@ -86,6 +124,8 @@ def _decode_partial_kernel(
     SINGLE_PARTITION: tl.constexpr,
     REDUCE_LAST: tl.constexpr,  # the last program of a (seq, kv head) combines the partitions
     REDUCE_PARTS: tl.constexpr,  # partitions REDUCE_LAST combines per step
+    ROPE: tl.constexpr,  # rotate q, and write this step's rotated k and v to the cache first
+    HALF: tl.constexpr,  # ROPE: rot_dim // 2
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     pdl_start(PDL)
@@ -95,16 +135,33 @@ def _decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
     start = part * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g  # (BLOCK_G,) query heads of this group
     gmask = g < GROUP
     if start < seq_len:  # else nothing to read; the reduction ignores partitions past the end
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d
+        if ROPE:
+            cos, sin = cos_sin_at(cos_sin_ptr, tl.load(pos_ptr + seq), d, HALF)
+            q = load_rotated(q_ptrs, d, gmask[:, None], cos, sin, HALF, HEAD_DIM)
+            stored = _write_new_tokens(
+                k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr,
+                block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, seq, kv_head, seq_len,
+                start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+                stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
+                HEAD_DIM, CACHE_BLOCK, HALF,
+            )  # fmt: skip
+            if stored > 0:
+                tl.debug_barrier()  # the loads below see this program's cache stores
+        else:
+            q = tl.load(q_ptrs, mask=gmask[:, None], other=0.0)  # (BLOCK_G, HEAD_DIM)
         _attend_partition(
-            q_ptr, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-            num_parts, stride_ml, stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+            q, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+            num_parts, stride_ml, stride_o_seq, stride_o_head,
             stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
-            seq, kv_head, part, start, tl.minimum(start + partition_size, seq_len), heads,
-            gmask, NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N, SINGLE_PARTITION,
+            seq, kv_head, part, start, end, heads, gmask,
+            NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N, SINGLE_PARTITION,
         )  # fmt: skip
     if REDUCE_LAST:
         tl.debug_barrier()  # this program's partials are stored before it reports
@@ -119,23 +176,60 @@ def _decode_partial_kernel(
 
 
 @triton.jit
+def _write_new_tokens(
+    k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr, table_ptr, row, kv_head, seq_len,
+    start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head, stride_c_kv,
+    stride_c_block, stride_c_off, stride_c_head,
+    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Store, for one KV head, the rotated key and the value of every token this launch adds
+    at a position in [start, end) of row `row`'s context (table_ptr: its block table row):
+    the row's own token (position seq_len - 1) and those of the rows just before it that
+    continue the same sequence (a sequence's drafts as rows), recognised by their slots.
+    Returns how many tokens it stored."""
+    d = tl.arange(0, HEAD_DIM)
+    tok = seq_len - 1
+    slot = tl.load(slot_ptr + row)
+    stored = 0
+    while (tok >= start) & (slot >= 0):
+        if tok < end:
+            stored += 1
+            row64 = row.to(tl.int64)
+            k_ptrs = k_ptr + row64 * stride_k_seq + kv_head * stride_k_head + d
+            cos, sin = cos_sin_at(cos_sin_ptr, tl.load(pos_ptr + row), d, HALF)
+            k = load_rotated(k_ptrs, d, d < HEAD_DIM, cos, sin, HALF, HEAD_DIM)
+            v = tl.load(v_ptr + row64 * stride_v_seq + kv_head * stride_v_head + d)
+            dst = (
+                kv_ptr
+                + (slot // CACHE_BLOCK) * stride_c_block
+                + (slot % CACHE_BLOCK) * stride_c_off
+                + kv_head * stride_c_head
+                + d
+            )
+            tl.store(dst, k.to(kv_ptr.dtype.element_ty))
+            tl.store(dst + stride_c_kv, v.to(kv_ptr.dtype.element_ty))
+        row -= 1
+        tok -= 1
+        more = (row >= 0) & (tok >= start)
+        prev = tl.load(slot_ptr + row, mask=more, other=-1)
+        block = tl.load(table_ptr + tok // CACHE_BLOCK, mask=more, other=0).to(tl.int64)
+        slot = tl.where(more & (prev == block * CACHE_BLOCK + tok % CACHE_BLOCK), prev, -1)
+    return stored
+
+
+@triton.jit
 def _attend_partition(
-    q_ptr, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, num_parts,
-    stride_ml, stride_q_seq, stride_q_head, stride_o_seq, stride_o_head, stride_c_kv,
+    q, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, num_parts,
+    stride_ml, stride_o_seq, stride_o_head, stride_c_kv,
     stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
     seq, kv_head, part, start, end, heads, gmask,
     NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
 ):  # fmt: skip
-    """Tokens [start, end) of one KV head against its query heads: the normalized output
-    (SINGLE_PARTITION), else the partition's (m, l, acc) per query head."""
+    """Tokens [start, end) of one KV head against the (BLOCK_G, HEAD_DIM) query tile q of its
+    query heads: the normalized output (SINGLE_PARTITION), else the partition's (m, l, acc)
+    per query head."""
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
-        mask=gmask[:, None],
-        other=0.0,
-    )  # (BLOCK_G, HEAD_DIM)
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -333,6 +427,18 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
     return counters
 
 
+@dataclass(frozen=True)
+class _NewTokens:
+    """The ROPE launch's extra arguments: the new tokens' unrotated k and v, their rotary
+    positions (int64) and [cos | sin] table (contiguous), and their cache slots."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def paged_attention_decode(
     q: torch.Tensor,  # (num_seqs, num_heads, head_dim): the one new token of each sequence
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -345,6 +451,53 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """Triton decode attention; returns out (num_seqs, num_heads, head_dim)."""
     _check(q, kv_cache, block_tables, seq_lens)
+    return _launch(q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out, config, None)
+
+
+def paged_attention_decode_rope(
+    positions: torch.Tensor,  # int (num_seqs,): each new token's row of cos_sin_cache
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim), unrotated; read only
+    k: torch.Tensor,  # (num_seqs, num_kv_heads, head_dim), unrotated; read only
+    v: torch.Tensor,  # (num_seqs, num_kv_heads, head_dim)
+    cos_sin_cache: torch.Tensor,  # (max_position, rot_dim) = [cos | sin]
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), in place
+    slot_mapping: torch.Tensor,  # int64 (num_seqs,), < 0 = padding: not written
+    block_tables: torch.Tensor,  # int32 (num_seqs, max_blocks_per_seq)
+    seq_lens: torch.Tensor,  # int32 (num_seqs,) >= 1, context incl. the new token
+    scale: float,
+    max_seq_len: int,  # host-side max(seq_lens): sizes the grid without a device sync
+    out: torch.Tensor | None = None,  # (num_seqs, num_heads, head_dim)
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """`rotary_kv_cache_write` then `paged_attention_decode`, in one launch, with the same
+    output and cache contents; returns out (num_seqs, num_heads, head_dim).
+
+    The rotation happens in registers: q and k are left unrotated in their memory (nothing
+    reads them after attention), and the cache receives the rotated k and v at each row's
+    slot. The new token of row i is at position seq_lens[i] - 1 of its context. Rows of one
+    sequence (its drafts as decode rows, each seeing the rows before it) must be consecutive
+    and in position order: a row's programs also write the tokens of the rows just before it
+    that fall in their partitions, since those rows' programs may run later."""
+    _check(q, kv_cache, block_tables, seq_lens)
+    check_rotary_args(positions, q, k, cos_sin_cache)
+    check_kv_write_args(k, v, kv_cache, slot_mapping)
+    for name, t in (("k", k), ("v", v)):
+        check_last_dim_contiguous(name, t)
+    new = _NewTokens(k, v, positions.to(torch.int64), cos_sin_cache.contiguous(), slot_mapping)
+    return _launch(q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out, config, new)
+
+
+def _launch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None,
+    config: DecodeConfig | None,
+    new: _NewTokens | None,  # ROPE: rotate q, write the new tokens' k and v first
+) -> torch.Tensor:
     out = attention_output(q, kv_cache, block_tables, out)
     num_seqs, num_heads, head_dim = q.shape
     _, _, cache_block, num_kv_heads, _ = kv_cache.shape
@@ -378,6 +531,13 @@ def paged_attention_decode(
         part_ml = torch.empty(
             (2, num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device
         )
+    if new is None:  # placeholders of the ROPE arguments, never read
+        k = v = cos_sin = q
+        positions = slots = seq_lens
+        new_strides = (0, 0, 0, 0)
+    else:
+        k, v, positions, cos_sin, slots = new.k, new.v, new.positions, new.cos_sin, new.slot_mapping
+        new_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     chained = pdl(q.device)
     arrived = None if single or not cfg.reduce_last else _arrival_counters(q.device)
     if arrived is not None and arrived.numel() < num_seqs * num_kv_heads:
@@ -391,11 +551,17 @@ def paged_attention_decode(
         part_acc,
         part_ml,
         arrived if arrived is not None else seq_lens,
+        k,
+        v,
+        positions,
+        cos_sin,
+        slots,
         scale * LOG2E,
         min_part,
         num_parts,
         num_seqs * num_heads * num_parts,
         *attention_strides(q, out, kv_cache, block_tables),
+        *new_strides,
         NUM_HEADS=num_heads,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -405,6 +571,8 @@ def paged_attention_decode(
         SINGLE_PARTITION=single,
         REDUCE_LAST=arrived is not None,
         REDUCE_PARTS=4,
+        ROPE=new is not None,
+        HALF=0 if new is None else cos_sin.shape[1] // 2,
         PDL=chained,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -461,3 +629,28 @@ def paged_attention_decode_ref(
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
         result[i] = torch.einsum("hn,nhd->hd", s.softmax(dim=-1), v).to(q.dtype)
     return result
+
+
+def paged_attention_decode_rope_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """PyTorch reference of `paged_attention_decode_rope`: `rotary_kv_cache_write_ref` on
+    copies of q and k (which the kernel leaves unrotated), then `paged_attention_decode_ref`."""
+    _check(q, kv_cache, block_tables, seq_lens)
+    q, k = q.clone(), k.clone()
+    rotary_kv_cache_write_ref(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    return paged_attention_decode_ref(
+        q, kv_cache, block_tables, seq_lens, scale, max_seq_len, out, config
+    )

@@ -42,11 +42,43 @@ def rotate_heads(x1_ptrs, mask, cos, sin, HALF: tl.constexpr):
     the two rotated halves as stored (rounded to the tensor's dtype)."""
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = (x1 * cos - x2 * sin).to(x1_ptrs.dtype.element_ty)
-    o2 = (x2 * cos + x1 * sin).to(x1_ptrs.dtype.element_ty)
+    # Explicit FMAs (x cos + (-/+ partner sin)): a compiler would contract the products its own
+    # way in each kernel; this way every kernel that rotates (`load_rotated`) rounds alike.
+    o1 = tl.fma(x1, cos, -(x2 * sin)).to(x1_ptrs.dtype.element_ty)
+    o2 = tl.fma(x2, cos, x1 * sin).to(x1_ptrs.dtype.element_ty)
     tl.store(x1_ptrs, o1, mask=mask)
     tl.store(x1_ptrs + HALF, o2, mask=mask)
     return o1, o2
+
+
+@triton.jit
+def cos_sin_at(cos_sin_ptr, pos, d, HALF: tl.constexpr):
+    """cos and sin (float32, shaped like d) at position `pos` for head columns d: those of
+    pair d % HALF, zero from column 2 * HALF on."""
+    rot = d < 2 * HALF
+    ptrs = cos_sin_ptr + pos * (2 * HALF) + tl.where(d < HALF, d, d - HALF)
+    cos = tl.load(ptrs, mask=rot, other=0.0).to(tl.float32)
+    sin = tl.load(ptrs + HALF, mask=rot, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def load_rotated(x_ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Whole head vectors loaded from x_ptrs (columns d, 0 <= d < HEAD_DIM) and returned
+    rotated with `cos_sin_at`'s cos and sin, with the values `rotate_heads` would store
+    (nothing is stored): column d is computed from its partner column (d + HALF for d < HALF,
+    d - HALF for HALF <= d < 2 * HALF), in float32, then rounded to x's dtype. Columns from
+    2 * HALF on (partial rotary) come back as loaded."""
+    lo = d < HALF
+    rot = d < 2 * HALF
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    partner = x_ptrs + tl.where(lo, HALF, -HALF)
+    y = tl.load(partner, mask=mask & rot, other=0.0).to(tl.float32)
+    ys = y * sin
+    out = tl.fma(x.to(tl.float32), cos, tl.where(lo, -ys, ys)).to(x_ptrs.dtype.element_ty)
+    if 2 * HALF < HEAD_DIM:
+        out = tl.where(rot, out, x)
+    return out
 
 
 @triton.jit

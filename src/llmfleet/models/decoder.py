@@ -161,12 +161,17 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:  # (T, hidden)
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (T, hidden)
+        pending: TensorParallel | None = None  # h is a part, to be summed over this group
+        if inputs_embeds is not None:
+            h = inputs_embeds  # (T, hidden)
+        elif isinstance(self.embed_tokens, VocabParallelEmbedding):  # summed with the 1st norm
+            h, pending = self.embed_tokens(input_ids, reduce=False), self.embed_tokens.tp
+        else:
+            h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.at(positions)
         residual: torch.Tensor | None = None
         wanted = self._captured_layers()
         captured: dict[int, torch.Tensor] = {}
-        pending: TensorParallel | None = None  # h is a part, to be summed over this group
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             defer = None if i in wanted else layer.deferrable()
             h, residual = layer(h, residual, rope, kv_cache, meta, pending, defer is not None)

@@ -81,16 +81,20 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    push: TensorParallel | None = None,
 ) -> torch.Tensor:
     """`F.linear`, except up to 64 16-bit rows on CUDA (decode steps): one row runs the Triton
     GEMV (kernels/gemv.py), which streams the weight faster than cuBLAS at M = 1 on every
     Llama-3-8B projection shape; 2..64 rows run the skinny GEMM (kernels/skinny_gemm.py) on
     the shapes where this GPU's tuned file says it beat cuBLAS (docs/benchmarks.md). `out`
-    (the result's shape, x's dtype or float32) receives the result, which is then returned."""
+    (the result's shape, x's dtype or float32) receives the result, which is then returned.
+    `push`: the result is this rank's part of a sum over that group, taken next (by
+    `tp.all_reduce` or `summed_norm`); a one-row GEMV then sends it to the peers itself."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= 64:
         from llmfleet.kernels import dispatch  # Triton is only needed on GPUs
 
-        return dispatch.decode_linear(x, weight, bias, out=out)
+        peer = push.peer if push is not None else None
+        return dispatch.decode_linear(x, weight, bias, out=out, push=peer)
     y = F.linear(x, weight, bias)
     return y if out is None else out.copy_(y)
 
@@ -126,7 +130,7 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, push=self.tp))
         return y if self.bias is None else y + self.bias
 
 
@@ -143,17 +147,19 @@ def unsummed(proj: nn.Module) -> TensorParallel | None:
 def summed_norm(
     norm: RMSNorm,
     x: torch.Tensor,  # (T, hidden): this rank's part of the sum, or all of it (tp None)
-    residual: torch.Tensor,  # (T, hidden)
+    residual: torch.Tensor | None,  # (T, hidden), or None: the sum starts the residual stream
     tp: TensorParallel | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm(x summed over tp, residual)`: one kernel where the group's peer all-reduce takes
     x (its GPUs write their rows into each other's memory, then add and normalize), else the
     group's all-reduce and then the norm. Returns (normed, new residual) as RMSNorm does."""
-    if tp is None:
-        return norm(x, residual)  # type: ignore[return-value]
-    if tp.peer is not None and tp.peer.fits(x):
+    if tp is not None and tp.peer is not None and tp.peer.fits(x):
         return tp.peer(x, norm.weight, norm.eps, residual)
-    return norm(tp.all_reduce(x), residual)  # type: ignore[return-value]
+    if tp is not None:
+        x = tp.all_reduce(x)
+    if residual is None:
+        return norm(x), x  # type: ignore[return-value]
+    return norm(x, residual)  # type: ignore[return-value]
 
 
 def row_parallel_group(linear: nn.Module) -> TensorParallel | None:
@@ -178,11 +184,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab, self.tp = vocab, tp
         self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
-        local = ids - self.vocab.start
-        outside = (local < 0) | (local >= len(self.vocab))
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
+    def forward(self, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T,) -> (T, H)
+        """`reduce=False`: this rank's part, to be summed over `tp` (`summed_norm`)."""
+        from llmfleet.kernels import dispatch  # (the reference off the GPU)
+
+        out = dispatch.shard_embedding(ids, self.weight, self.vocab.start)
+        return self.tp.all_reduce(out) if reduce else out
 
 
 def rowwise_linear(
@@ -245,7 +252,9 @@ class MLP(nn.Module):
             y = gated_linear(x, gate_up.weight, gate_up.bias)
         else:
             y = silu_and_mul(gate_up(x))  # via (T, 2I) -> (T, I)
-        return self.down_proj(y) if reduce else linear(y, self.down_proj.weight)
+        if reduce:
+            return self.down_proj(y)
+        return linear(y, self.down_proj.weight, push=unsummed(self.down_proj))
 
     def shard_offset(self, hf_proj: str) -> int:
         """Row offset in gate_up_proj of the HF projection `gate_proj` or `up_proj`."""
@@ -304,10 +313,13 @@ class Attention(nn.Module):
         q, k, v = qkv.split([h, hkv, hkv], dim=1)  # views: (T, H, D), (T, Hkv, D), (T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # The backend rotates q and k (in place on GPUs, fused with its KV cache write).
+        # The backend rotates q and k: on GPUs fused with its KV cache write (in place), or at a
+        # pure decode step with the attention itself (in registers, q and k left unrotated).
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, rope=rope)  # (T, H, D)
         o = o.reshape(t, self.q_size)
-        return self.o_proj(o) if reduce else linear(o, self.o_proj.weight)
+        return (
+            self.o_proj(o) if reduce else linear(o, self.o_proj.weight, push=unsummed(self.o_proj))
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -328,10 +340,11 @@ class DecoderLayer(nn.Module):
         pending: TensorParallel | None = None,
         defer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`pending`: h is this rank's part of the previous layer's output, to be summed over
-        that group with the input norm. `defer` (where `deferrable`): the MLP's output comes
-        back unsummed likewise. A row-parallel o_proj's sum is always taken with the norm."""
-        if residual is None:
+        """`pending`: h is this rank's part of the previous layer's output (or of the
+        embedding, before the first layer), to be summed over that group with the input norm.
+        `defer` (where `deferrable`): the MLP's output comes back unsummed likewise. A
+        row-parallel o_proj's sum is always taken with the norm."""
+        if residual is None and pending is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = summed_norm(self.input_layernorm, h, residual, pending)

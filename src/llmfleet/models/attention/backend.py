@@ -4,8 +4,10 @@ A backend owns two things for one layer call: writing this step's keys and value
 paged cache (at `meta.slot_mapping`), then causal attention of each new query token over its
 sequence's whole context (cached prefix + this step's tokens). Given the layer's rotary inputs
 (`rope=`), it applies the rotary embedding to q and k first, so that a backend can fuse it
-with the cache write. `forward` is that sequence of steps; a backend supplies the steps. The
-CPU reference lives in `reference.py`, the Triton kernels' backend in `triton_backend.py`.
+with the cache write. `forward` is that sequence of steps; a backend supplies the steps, and
+may override `forward` to fuse them further (the Triton backend's pure decode step with rotary
+inputs is one kernel: rotation, cache write and attention). The CPU reference lives in
+`reference.py`, the Triton kernels' backend in `triton_backend.py`.
 
 Shapes of the steps' arguments: q (num_tokens, num_heads, head_dim), k and v (num_tokens,
 num_kv_heads, head_dim), kv_cache (2, num_blocks, block_size, num_kv_heads, head_dim); a pure
@@ -45,8 +47,13 @@ class AttentionBackend(ABC):
 
         With `rope`, q and k arrive unrotated: the backend rotates them (neox style, partial
         rotary as `rope.table` says) before writing k to the cache and attending, and may do
-        so in place, in q's and k's memory (which may be views of one fused qkv activation).
-        Without it, q and k are already rotated and only the cache is written."""
+        so in place, in q's and k's memory (which may be views of one fused qkv activation),
+        or in registers only, leaving that memory unrotated: after the call, callers must not
+        read q or k expecting either. Without it, q and k are already rotated and only the
+        cache is written.
+
+        In a pure decode step the rows of one sequence (its drafts as rows) are consecutive,
+        in position order, and each row sees the keys and values of the rows before it."""
         q, k = self.write_cache(q, k, v, kv_cache, meta.slot_mapping, rope)
         if meta.is_pure_decode:
             return self.decode(q, kv_cache, meta, scale)

@@ -1,10 +1,16 @@
 """The Triton implementation of the worker's `AttentionBackend` protocol.
 
-One layer call: scatter this step's k/v into the paged cache at `meta.slot_mapping` (given
-the rotary inputs, rotating q and k in the same launch: kernels/rotary_kv_write.py), then
-attend. A pure decode step (every sequence has one new token) takes the split-K decode kernel;
-any step with a longer query (prefill, chunked prefill, mixed prefill + decode) takes the
-varlen prefill kernel, which handles query_len == 1 rows as well.
+A pure decode step (every sequence has one new token) given the rotary inputs is one launch
+(kernels/paged_attention_decode.py, `paged_attention_decode_rope`): each program of the split-K
+decode kernel rotates its query heads in registers, the programs that hold a new token's
+position rotate its k and write k and v into the paged cache at `meta.slot_mapping`, then
+attend. q and k stay unrotated in memory on that path.
+
+Every other layer call takes two steps: scatter this step's k/v into the paged cache (given the
+rotary inputs, rotating q and k in place in the same launch: kernels/rotary_kv_write.py), then
+attend: the split-K decode kernel for a pure decode step without rotary inputs, the varlen
+prefill kernel for any step with a longer query (prefill, chunked prefill, mixed prefill +
+decode), which handles query_len == 1 rows as well.
 """
 
 from __future__ import annotations
@@ -29,6 +35,36 @@ class TritonAttentionBackend(AttentionBackend):
         # force_triton: run the kernels in Triton's CPU interpreter (tests) instead of
         # falling back to the PyTorch references for CPU tensors.
         self.force_triton = force_triton
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        rope: RotaryPositions | None = None,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """`AttentionBackend.forward`; a pure decode step with `rope` is one kernel, which
+        leaves q and k unrotated (the rotated k goes to the cache only)."""
+        if rope is None or not meta.is_pure_decode:
+            return super().forward(q, k, v, kv_cache, meta, scale, rope=rope)
+        return dispatch.paged_attention_decode_rope(
+            rope.positions,
+            q,
+            k,
+            v,
+            rope.table,
+            kv_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            meta.max_seq_len,
+            force_triton=self.force_triton,
+        )
 
     def write_cache(
         self,
