@@ -158,7 +158,7 @@ def pushing_peer(bufs: Buffers) -> PeerAllReduce:
     """The group's host side (`PeerAllReduce`) over `bufs`, without the symmetric memory a
     real group maps (its methods read only these fields)."""
     peer = PeerAllReduce.__new__(PeerAllReduce)
-    peer.rank, peer.world, peer.device = bufs.rank, bufs.world, torch.device(DEVICE)
+    peer.rank, peer.world, peer.device = bufs.rank, bufs.world, bufs.seq.device  # (cuda:0)
     peer.data_ptrs, peer.seq, peer._pushed = bufs.data_ptrs, bufs.seq, None
     return peer
 

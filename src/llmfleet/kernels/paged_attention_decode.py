@@ -22,7 +22,9 @@ unnormalised sum of exp2(s - m) * v. With a single partition the first kernel no
 writes the output directly and the reduction is not launched. With several, the program of
 each (seq, KV head) that finishes last (an arrival counter per pair, `DecodeConfig.reduce_last`)
 combines its heads' partitions itself, so a decode step's attention stays one kernel; the
-counters live on the device, zeroed once and re-armed by that program.
+counters live on the device, zeroed once and re-armed by that program. Only the programs of
+partitions that hold tokens report, and a context that fits one partition (a short one in a
+grid sized for the longest) is written out by its one program, without partials or counter.
 
 Partition size. The grid has `num_parts` partitions per sequence, fixed on the host from the
 bound `max_seq_len` (inside a CUDA graph that is the static `max_model_len`). Each sequence
@@ -136,6 +138,7 @@ def _decode_partial_kernel(
     partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
     start = part * partition_size
     end = tl.minimum(start + partition_size, seq_len)
+    used = tl.cdiv(seq_len, partition_size)  # partitions holding tokens: [0, used)
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g  # (BLOCK_G,) query heads of this group
     gmask = g < GROUP
@@ -156,23 +159,30 @@ def _decode_partial_kernel(
                 tl.debug_barrier()  # the loads below see this program's cache stores
         else:
             q = tl.load(q_ptrs, mask=gmask[:, None], other=0.0)  # (BLOCK_G, HEAD_DIM)
+        # One partition holds the whole context: its program writes the output itself
+        # (with REDUCE_LAST; the reduction kernel, when it runs, reads partials).
+        direct = ((used == 1) & REDUCE_LAST) | SINGLE_PARTITION
         _attend_partition(
             q, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
             num_parts, stride_ml, stride_o_seq, stride_o_head,
             stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
-            seq, kv_head, part, start, end, heads, gmask,
-            NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N, SINGLE_PARTITION,
+            seq, kv_head, part, start, end, heads, gmask, direct,
+            NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N,
         )  # fmt: skip
-    if REDUCE_LAST:
-        tl.debug_barrier()  # this program's partials are stored before it reports
-        counter = arrived_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_parts - 1:
-            tl.store(counter, 0)  # re-armed for the next launch (a graph replays this one)
-            _combine_partitions(
-                out_ptr, part_acc_ptr, part_ml_ptr, seq, heads, gmask,
-                tl.cdiv(seq_len, partition_size), num_parts, stride_ml, stride_o_seq,
-                stride_o_head, NUM_HEADS, BLOCK_G, HEAD_DIM, REDUCE_PARTS,
-            )  # fmt: skip
+        if REDUCE_LAST:
+            # Only the programs of used partitions report: the one that arrives last combines
+            # (a grid sized for the longest context leaves most programs of a short one idle,
+            # and their reports would queue on the counter's one address).
+            if used > 1:
+                tl.debug_barrier()  # this program's partials are stored before it reports
+                counter = arrived_ptr + seq * tl.num_programs(1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                    tl.store(counter, 0)  # re-armed for the next launch (graphs replay it)
+                    _combine_partitions(
+                        out_ptr, part_acc_ptr, part_ml_ptr, seq, heads, gmask, used,
+                        num_parts, stride_ml, stride_o_seq, stride_o_head, NUM_HEADS, BLOCK_G,
+                        HEAD_DIM, REDUCE_PARTS,
+                    )  # fmt: skip
 
 
 @triton.jit
@@ -222,13 +232,13 @@ def _attend_partition(
     q, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, num_parts,
     stride_ml, stride_o_seq, stride_o_head, stride_c_kv,
     stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
-    seq, kv_head, part, start, end, heads, gmask,
+    seq, kv_head, part, start, end, heads, gmask, direct,
     NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Tokens [start, end) of one KV head against the (BLOCK_G, HEAD_DIM) query tile q of its
-    query heads: the normalized output (SINGLE_PARTITION), else the partition's (m, l, acc)
-    per query head."""
+    query heads: the normalized output (`direct`: this partition is the whole context), else
+    the partition's (m, l, acc) per query head."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -252,7 +262,7 @@ def _attend_partition(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if SINGLE_PARTITION:
+    if direct:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
         tl.store(o_ptrs + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
