@@ -52,6 +52,16 @@ programs read row i's token, and no launch order guarantees that row i's program
 stored it. So a program also stores the tokens of the rows just before its own that continue
 its sequence (recognised by their slots) and fall in its partition. Stores of one token by
 several programs write the same bytes. q and k are left unrotated in memory.
+
+Early loads under PDL. A decode step's attention is a chain of dependent loads (a row's
+length, its block table, the first tile of keys and values; with ROPE the position and its
+cos/sin) of which only q, k and v come from the kernel before it (their projection). A program
+reads the rest before it waits on that kernel, while the projection finishes: the step's
+metadata, copied in before the step's first kernel, and (ROPE) the first tile as the cache
+holds it, written by earlier steps (their launches are ordered before this step's input copies,
+which no kernel of the step may pass). The tokens this launch adds are the one exception: a
+program that stores some reads them again, after its barrier, where the first tile holds them.
+Without ROPE the kernel before wrote this step's tokens, so the tiles wait.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmfleet.kernels.kv_cache_write import check_kv_write_args
 from llmfleet.kernels.paged_kv import attention_output, attention_strides, check_q_and_kv_cache
@@ -130,11 +141,12 @@ def _decode_partial_kernel(
     HALF: tl.constexpr,  # ROPE: rot_dim // 2
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
-    pdl_start(PDL)
+    if PDL:  # the next kernel may launch; this one waits below, after its early loads
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata: read before the wait
     partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
     start = part * partition_size
     end = tl.minimum(start + partition_size, seq_len)
@@ -144,9 +156,26 @@ def _decode_partial_kernel(
     gmask = g < GROUP
     if start < seq_len:  # else nothing to read; the reduction ignores partitions past the end
         d = tl.arange(0, HEAD_DIM)[None, :]
+        # Before the wait (module docstring): the block table's entries for the first tile,
+        # and with ROPE its keys and values as cached by earlier steps and this row's cos/sin.
+        n = start + tl.arange(0, BLOCK_N)  # the first tile's positions
+        nmask = n < end
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+        k_ptrs = _tile_ptrs(
+            kv_ptr + kv_head * stride_c_head, table_ptr, n, nmask, d, stride_c_block,
+            stride_c_off, CACHE_BLOCK,
+        )  # fmt: skip
+        if ROPE:
+            k0 = tl.load(k_ptrs, mask=nmask[:, None], other=0.0)
+            v0 = tl.load(k_ptrs + stride_c_kv, mask=nmask[:, None], other=0.0)
+            cos, sin = cos_sin_at(cos_sin_ptr, tl.load(pos_ptr + seq), d, HALF)
+        if PDL:
+            gdc_wait()  # the kernel before has ended (ROPE: q, k and v's projection)
+        if not ROPE:  # the kernel before may have been the one that cached this step's tokens
+            k0 = tl.load(k_ptrs, mask=nmask[:, None], other=0.0)
+            v0 = tl.load(k_ptrs + stride_c_kv, mask=nmask[:, None], other=0.0)
         q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d
         if ROPE:
-            cos, sin = cos_sin_at(cos_sin_ptr, tl.load(pos_ptr + seq), d, HALF)
             q = load_rotated(q_ptrs, d, gmask[:, None], cos, sin, HALF, HEAD_DIM)
             stored = _write_new_tokens(
                 k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr,
@@ -157,15 +186,20 @@ def _decode_partial_kernel(
             )  # fmt: skip
             if stored > 0:
                 tl.debug_barrier()  # the loads below see this program's cache stores
+                # The tokens it stored are the partition's last `stored` positions: where the
+                # first tile holds them, its early loads read what was there before.
+                fresh = (nmask & (n >= end - stored))[:, None]
+                k0 = tl.where(fresh, tl.load(k_ptrs, mask=fresh, other=0.0), k0)
+                v0 = tl.where(fresh, tl.load(k_ptrs + stride_c_kv, mask=fresh, other=0.0), v0)
         else:
             q = tl.load(q_ptrs, mask=gmask[:, None], other=0.0)  # (BLOCK_G, HEAD_DIM)
         # One partition holds the whole context: its program writes the output itself
         # (with REDUCE_LAST; the reduction kernel, when it runs, reads partials).
         direct = ((used == 1) & REDUCE_LAST) | SINGLE_PARTITION
         _attend_partition(
-            q, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-            num_parts, stride_ml, stride_o_seq, stride_o_head,
-            stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
+            q, k0, v0, nmask, kv_ptr, table_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+            qk_scale, num_parts, stride_ml, stride_o_seq, stride_o_head,
+            stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
             seq, kv_head, part, start, end, heads, gmask, direct,
             NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N,
         )  # fmt: skip
@@ -228,39 +262,57 @@ def _write_new_tokens(
 
 
 @triton.jit
+def _tile_ptrs(kv_head_ptr, table_ptr, n, nmask, d, stride_c_block, stride_c_off,
+               CACHE_BLOCK: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, HEAD_DIM) pointers to the keys of positions n of one KV head (values: plus
+    stride_c_kv), through the sequence's block table row at table_ptr."""
+    block = tl.load(table_ptr + n // CACHE_BLOCK, mask=nmask, other=0).to(tl.int64)
+    row = block * stride_c_block + (n % CACHE_BLOCK) * stride_c_off  # (BLOCK_N,)
+    return kv_head_ptr + row[:, None] + d
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, nmask, m_i, l_i, acc, qk_scale):
+    """One tile of keys and values into the running (m, l, acc) of the query heads."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_G, BLOCK_N)
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_partition(
-    q, kv_ptr, block_tables_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale, num_parts,
-    stride_ml, stride_o_seq, stride_o_head, stride_c_kv,
-    stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
+    q, k0, v0, nmask0, kv_ptr, table_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+    num_parts, stride_ml, stride_o_seq, stride_o_head, stride_c_kv,
+    stride_c_block, stride_c_off, stride_c_head,
     seq, kv_head, part, start, end, heads, gmask, direct,
     NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Tokens [start, end) of one KV head against the (BLOCK_G, HEAD_DIM) query tile q of its
-    query heads: the normalized output (`direct`: this partition is the whole context), else
-    the partition's (m, l, acc) per query head."""
+    query heads, the first tile's keys and values given (k0, v0 at positions start + i where
+    nmask0): the normalized output (`direct`: this partition is the whole context), else the
+    partition's (m, l, acc) per query head."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _online_softmax_step(q, k0, v0, nmask0, m_i, l_i, acc, qk_scale)
     kv_head_ptr = kv_ptr + kv_head * stride_c_head
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
         nmask = n < end
-        block = tl.load(table_ptr + n // CACHE_BLOCK, mask=nmask, other=0).to(tl.int64)
-        row = block * stride_c_block + (n % CACHE_BLOCK) * stride_c_off  # (BLOCK_N,)
-        k_ptrs = kv_head_ptr + row[:, None] + d[None, :]  # (BLOCK_N, HEAD_DIM)
+        k_ptrs = _tile_ptrs(
+            kv_head_ptr, table_ptr, n, nmask, d[None, :], stride_c_block, stride_c_off,
+            CACHE_BLOCK,
+        )  # fmt: skip
         k = tl.load(k_ptrs, mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_G, BLOCK_N)
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(k_ptrs + stride_c_kv, mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, nmask, m_i, l_i, acc, qk_scale)
 
     if direct:
         out = acc / l_i[:, None]
