@@ -217,6 +217,8 @@ def _decode_partial_kernel(
                         num_parts, stride_ml, stride_o_seq, stride_o_head, NUM_HEADS, BLOCK_G,
                         HEAD_DIM, REDUCE_PARTS,
                     )  # fmt: skip
+    elif PDL:  # nothing to do, but wait all the same: this kernel must not end before the
+        gdc_wait()  # one before it (triton_utils.pdl_start), though no program has work
 
 
 @triton.jit
