@@ -130,7 +130,7 @@ def test_the_last_program_combines_as_the_reduction_kernel_does() -> None:
     """Split contexts combined by the last program of each (sequence, KV head) to finish,
     launch after launch (the counters re-arm), against the second reduction kernel; short
     sequences in a grid sized for a long bound leave most partitions empty."""
-    import llmfleet.kernels.paged_attention_decode as decode
+    import llmfleet.kernels.decode_partitions as decode_partitions
 
     lens = [1, 15, 16, 17, 47, 80, 200]
     batch = PagedBatch(lens, 2, 64, 16, torch.float32, DEVICE, seed=11)
@@ -142,7 +142,7 @@ def test_the_last_program_combines_as_the_reduction_kernel_does() -> None:
     for _ in range(3):
         got = paged_attention_decode(*args, out=torch.full_like(q, float("nan")), config=one)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        assert not decode._arrivals[q.device].any()  # every counter back at zero
+        assert not decode_partitions._arrivals[q.device].any()  # every counter back at zero
     assert rel_err(got, paged_attention_decode_ref(*args)) < FP32_TOL
 
 

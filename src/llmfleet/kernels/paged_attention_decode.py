@@ -25,6 +25,7 @@ combines its heads' partitions itself, so a decode step's attention stays one ke
 counters live on the device, zeroed once and re-armed by that program. Only the programs of
 partitions that hold tokens report, and a context that fits one partition (a short one in a
 grid sized for the longest) is written out by its one program, without partials or counter.
+The combination and the counters live in kernels/decode_partitions.py.
 
 Partition size. The grid has `num_parts` partitions per sequence, fixed on the host from the
 bound `max_seq_len` (inside a CUDA graph that is the static `max_model_len`). Each sequence
@@ -74,26 +75,24 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from llmfleet.kernels.decode_partitions import (
+    arrival_counters,
+    combine_partitions,
+    decode_reduce_kernel,
+    partition_size_of,
+)
 from llmfleet.kernels.kv_cache_write import check_kv_write_args
 from llmfleet.kernels.paged_kv import attention_output, attention_strides, check_q_and_kv_cache
 from llmfleet.kernels.rotary import check_rotary_args, cos_sin_at, load_rotated
-from llmfleet.kernels.rotary_kv_write import rotary_kv_cache_write_ref
+from llmfleet.kernels.rotary_kv_write import rotary_kv_cache_write_ref, write_new_tokens
 from llmfleet.kernels.triton_utils import (
     check_last_dim_contiguous,
     interpreting,
     launchable,
     pdl,
-    pdl_start,
 )
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _partition_size(seq_len, min_partition, num_parts, BLOCK_N: tl.constexpr):
-    """Tokens per partition of a sequence of `seq_len` (see the module docstring)."""
-    even = tl.cdiv(tl.cdiv(seq_len, num_parts), BLOCK_N) * BLOCK_N
-    return tl.maximum(even, min_partition)
 
 
 @triton.jit
@@ -147,7 +146,7 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata: read before the wait
-    partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
+    partition_size = partition_size_of(seq_len, min_partition, num_parts, BLOCK_N)
     start = part * partition_size
     end = tl.minimum(start + partition_size, seq_len)
     used = tl.cdiv(seq_len, partition_size)  # partitions holding tokens: [0, used)
@@ -177,7 +176,7 @@ def _decode_partial_kernel(
         q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d
         if ROPE:
             q = load_rotated(q_ptrs, d, gmask[:, None], cos, sin, HALF, HEAD_DIM)
-            stored = _write_new_tokens(
+            stored = write_new_tokens(
                 k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr,
                 block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, seq, kv_head, seq_len,
                 start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
@@ -212,55 +211,13 @@ def _decode_partial_kernel(
                 counter = arrived_ptr + seq * tl.num_programs(1) + kv_head
                 if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
                     tl.store(counter, 0)  # re-armed for the next launch (graphs replay it)
-                    _combine_partitions(
+                    combine_partitions(
                         out_ptr, part_acc_ptr, part_ml_ptr, seq, heads, gmask, used,
                         num_parts, stride_ml, stride_o_seq, stride_o_head, NUM_HEADS, BLOCK_G,
                         HEAD_DIM, REDUCE_PARTS,
                     )  # fmt: skip
     elif PDL:  # nothing to do, but wait all the same: this kernel must not end before the
         gdc_wait()  # one before it (triton_utils.pdl_start), though no program has work
-
-
-@triton.jit
-def _write_new_tokens(
-    k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr, table_ptr, row, kv_head, seq_len,
-    start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head, stride_c_kv,
-    stride_c_block, stride_c_off, stride_c_head,
-    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    """Store, for one KV head, the rotated key and the value of every token this launch adds
-    at a position in [start, end) of row `row`'s context (table_ptr: its block table row):
-    the row's own token (position seq_len - 1) and those of the rows just before it that
-    continue the same sequence (a sequence's drafts as rows), recognised by their slots.
-    Returns how many tokens it stored."""
-    d = tl.arange(0, HEAD_DIM)
-    tok = seq_len - 1
-    slot = tl.load(slot_ptr + row)
-    stored = 0
-    while (tok >= start) & (slot >= 0):
-        if tok < end:
-            stored += 1
-            row64 = row.to(tl.int64)
-            k_ptrs = k_ptr + row64 * stride_k_seq + kv_head * stride_k_head + d
-            cos, sin = cos_sin_at(cos_sin_ptr, tl.load(pos_ptr + row), d, HALF)
-            k = load_rotated(k_ptrs, d, d < HEAD_DIM, cos, sin, HALF, HEAD_DIM)
-            v = tl.load(v_ptr + row64 * stride_v_seq + kv_head * stride_v_head + d)
-            dst = (
-                kv_ptr
-                + (slot // CACHE_BLOCK) * stride_c_block
-                + (slot % CACHE_BLOCK) * stride_c_off
-                + kv_head * stride_c_head
-                + d
-            )
-            tl.store(dst, k.to(kv_ptr.dtype.element_ty))
-            tl.store(dst + stride_c_kv, v.to(kv_ptr.dtype.element_ty))
-        row -= 1
-        tok -= 1
-        more = (row >= 0) & (tok >= start)
-        prev = tl.load(slot_ptr + row, mask=more, other=-1)
-        block = tl.load(table_ptr + tok // CACHE_BLOCK, mask=more, other=0).to(tl.int64)
-        slot = tl.where(more & (prev == block * CACHE_BLOCK + tok % CACHE_BLOCK), prev, -1)
-    return stored
 
 
 @triton.jit
@@ -325,83 +282,6 @@ def _attend_partition(
         tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(part_ml_ptr + idx, m_i, mask=gmask)
         tl.store(part_ml_ptr + stride_ml + idx, l_i, mask=gmask)
-
-
-@triton.jit
-def _combine_partitions(
-    out_ptr, part_acc_ptr, part_ml_ptr, seq, heads, gmask, used, num_parts, stride_ml,
-    stride_o_seq, stride_o_head,
-    NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
-):  # fmt: skip
-    """The reduction of the module docstring for the query heads `heads` of one sequence,
-    PARTS partitions a step (a running max and sums), written to out. The partials were
-    stored by other programs of this launch: read from L2 (.cg), past this SM's L1."""
-    d = tl.arange(0, HEAD_DIM)
-    base = (seq.to(tl.int64) * NUM_HEADS + heads) * num_parts  # (BLOCK_G,)
-    m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_G], tl.float32)
-    acc_run = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for p0 in range(0, used, PARTS):
-        p = p0 + tl.arange(0, PARTS)
-        ok = gmask[:, None] & (p < used)[None, :]  # (BLOCK_G, PARTS)
-        idx = base[:, None] + p[None, :]
-        m = tl.load(part_ml_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_p = tl.load(part_ml_ptr + stride_ml + idx, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(
-            part_acc_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
-            mask=ok[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # (BLOCK_G, PARTS, HEAD_DIM)
-        m_new = tl.maximum(m_run, tl.max(m, axis=1))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.exp2(m - m_new[:, None])  # (BLOCK_G, PARTS); 0 where masked
-        l_run = l_run * alpha + tl.sum(w * l_p, axis=1)
-        acc_run = acc_run * alpha[:, None] + tl.sum(acc * w[:, :, None], axis=1)
-        m_run = m_new
-    out = acc_run / l_run[:, None]
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
-    tl.store(o_ptrs + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    seq_lens_ptr,  # int32 (num_seqs,)
-    out_ptr,  # (num_seqs, num_heads, HEAD_DIM)
-    part_acc_ptr,  # fp32 (num_seqs, num_heads, num_parts, HEAD_DIM) contiguous
-    part_ml_ptr,  # fp32 (2, num_seqs, num_heads, num_parts) contiguous
-    min_partition,
-    num_parts,
-    stride_ml,  # elements between the m and l halves of part_ml
-    stride_o_seq,  # elements between sequences of out
-    stride_o_head,  # elements between heads of out
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # the first kernel's tile (partition sizes are multiples of it)
-    BLOCK_P: tl.constexpr,  # next power of two >= num_parts
-    PDL: tl.constexpr,  # launched with programmatic dependent launch
-):
-    pdl_start(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size = _partition_size(seq_len, min_partition, num_parts, BLOCK_N)
-    used = tl.cdiv(seq_len, partition_size)  # partitions the first kernel wrote
-    p = tl.arange(0, BLOCK_P)
-    pmask = p < used
-    base = (seq.to(tl.int64) * NUM_HEADS + head) * num_parts
-    m = tl.load(part_ml_ptr + base + p, mask=pmask, other=float("-inf"))
-    l_p = tl.load(part_ml_ptr + stride_ml + base + p, mask=pmask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(pmask, tl.exp2(m - m_max), 0.0)  # (BLOCK_P,)
-    denom = tl.sum(w * l_p, axis=0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(
-        part_acc_ptr + (base + p)[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None], other=0.0
-    )
-    out = tl.sum(acc * w[:, None], axis=0) / denom
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -470,25 +350,6 @@ def _check(
         raise ValueError(f"block_tables must be int32 (seqs, max_blocks), got {block_tables.dtype}")
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
-
-
-ARRIVAL_COUNTERS = 1 << 16  # (sequence, KV head) pairs a launch may reduce in its last program
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor | None:
-    """This device's zeroed arrival counters, which every launch leaves zeroed again; None
-    while a CUDA graph is being captured before they exist (that launch reduces in a second
-    kernel), since memory allocated during a capture belongs to that graph. Decode attention
-    on one device runs on one stream at a time, so launches never share them concurrently."""
-    counters = _arrivals.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _arrivals[device] = torch.zeros(
-            ARRIVAL_COUNTERS, dtype=torch.int32, device=device
-        )
-    return counters
 
 
 @dataclass(frozen=True)
@@ -603,7 +464,7 @@ def _launch(
         k, v, positions, cos_sin, slots = new.k, new.v, new.positions, new.cos_sin, new.slot_mapping
         new_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     chained = pdl(q.device)
-    arrived = None if single or not cfg.reduce_last else _arrival_counters(q.device)
+    arrived = None if single or not cfg.reduce_last else arrival_counters(q.device)
     if arrived is not None and arrived.numel() < num_seqs * num_kv_heads:
         arrived = None  # more (sequence, KV head) pairs than counters: the reduction kernel
     launchable(_decode_partial_kernel)[(num_seqs, num_kv_heads, num_parts)](
@@ -643,7 +504,7 @@ def _launch(
         launch_pdl=chained,
     )
     if not single and arrived is None:
-        launchable(_decode_reduce_kernel)[(num_seqs, num_heads)](
+        launchable(decode_reduce_kernel)[(num_seqs, num_heads)](
             seq_lens,
             out,
             part_acc,

@@ -12,6 +12,10 @@ in one launch, with the same results bit for bit.
 Token j goes to slot `slot_mapping[j]`; a negative slot (padding) skips the cache write, but q
 and k of that token are still rotated. Dimensions from rot_dim to head_dim (partial rotary)
 are left as they are in q and k and copied unrotated into the cache.
+
+`write_new_tokens` is the same write from inside the decode attention kernel (its ROPE flavour,
+kernels/paged_attention_decode.py): one KV head's new tokens within one partition, rotated in
+registers.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from llmfleet.kernels.kv_cache_write import check_kv_write_args, kv_cache_write_
 from llmfleet.kernels.paged_kv import kv_write_strides
 from llmfleet.kernels.rotary import (
     check_rotary_args,
+    cos_sin_at,
     load_cos_sin,
+    load_rotated,
     rotary_embedding_ref,
     rotate_heads,
 )
@@ -93,6 +99,48 @@ def _rotary_kv_write_kernel(
         vmask = (hk < NUM_KV_HEADS) & (d < HEAD_DIM)
         v = tl.load(v_ptr + tok * stride_v_tok + hk * stride_v_head + d, mask=vmask)
         tl.store(dst + stride_c_kv + d, v.to(cache_ptr.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def write_new_tokens(
+    k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr, table_ptr, row, kv_head, seq_len,
+    start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head, stride_c_kv,
+    stride_c_block, stride_c_off, stride_c_head,
+    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Store, for one KV head, the rotated key and the value of every token this launch adds
+    at a position in [start, end) of row `row`'s context (table_ptr: its block table row):
+    the row's own token (position seq_len - 1) and those of the rows just before it that
+    continue the same sequence (a sequence's drafts as rows), recognised by their slots.
+    Returns how many tokens it stored."""
+    d = tl.arange(0, HEAD_DIM)
+    tok = seq_len - 1
+    slot = tl.load(slot_ptr + row)
+    stored = 0
+    while (tok >= start) & (slot >= 0):
+        if tok < end:
+            stored += 1
+            row64 = row.to(tl.int64)
+            k_ptrs = k_ptr + row64 * stride_k_seq + kv_head * stride_k_head + d
+            cos, sin = cos_sin_at(cos_sin_ptr, tl.load(pos_ptr + row), d, HALF)
+            k = load_rotated(k_ptrs, d, d < HEAD_DIM, cos, sin, HALF, HEAD_DIM)
+            v = tl.load(v_ptr + row64 * stride_v_seq + kv_head * stride_v_head + d)
+            dst = (
+                kv_ptr
+                + (slot // CACHE_BLOCK) * stride_c_block
+                + (slot % CACHE_BLOCK) * stride_c_off
+                + kv_head * stride_c_head
+                + d
+            )
+            tl.store(dst, k.to(kv_ptr.dtype.element_ty))
+            tl.store(dst + stride_c_kv, v.to(kv_ptr.dtype.element_ty))
+        row -= 1
+        tok -= 1
+        more = (row >= 0) & (tok >= start)
+        prev = tl.load(slot_ptr + row, mask=more, other=-1)
+        block = tl.load(table_ptr + tok // CACHE_BLOCK, mask=more, other=0).to(tl.int64)
+        slot = tl.where(more & (prev == block * CACHE_BLOCK + tok % CACHE_BLOCK), prev, -1)
+    return stored
 
 
 def rotary_kv_cache_write(
