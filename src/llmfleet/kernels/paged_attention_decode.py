@@ -177,9 +177,8 @@ def _decode_partial_kernel(
         if ROPE:
             q = load_rotated(q_ptrs, d, gmask[:, None], cos, sin, HALF, HEAD_DIM)
             stored = write_new_tokens(
-                k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr,
-                block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, seq, kv_head, seq_len,
-                start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
+                k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, kv_ptr, table_ptr, seq, kv_head,
+                seq_len, start, end, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head,
                 stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
                 HEAD_DIM, CACHE_BLOCK, HALF,
             )  # fmt: skip
