@@ -160,10 +160,10 @@ def _decode_partial_kernel(
         n = start + tl.arange(0, BLOCK_N)  # the first tile's positions
         nmask = n < end
         table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+        kv_head_ptr = kv_ptr + kv_head * stride_c_head  # this KV head's keys in the cache
         k_ptrs = _tile_ptrs(
-            kv_ptr + kv_head * stride_c_head, table_ptr, n, nmask, d, stride_c_block,
-            stride_c_off, CACHE_BLOCK,
-        )  # fmt: skip
+            kv_head_ptr, table_ptr, n, nmask, d, stride_c_block, stride_c_off, CACHE_BLOCK
+        )
         if ROPE:
             k0 = tl.load(k_ptrs, mask=nmask[:, None], other=0.0)
             v0 = tl.load(k_ptrs + stride_c_kv, mask=nmask[:, None], other=0.0)
@@ -195,10 +195,10 @@ def _decode_partial_kernel(
         # (with REDUCE_LAST; the reduction kernel, when it runs, reads partials).
         direct = ((used == 1) & REDUCE_LAST) | SINGLE_PARTITION
         _attend_partition(
-            q, k0, v0, nmask, kv_ptr, table_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+            q, k0, v0, nmask, kv_head_ptr, table_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
             qk_scale, num_parts, stride_ml, stride_o_seq, stride_o_head,
-            stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
-            seq, kv_head, part, start, end, heads, gmask, direct,
+            stride_c_kv, stride_c_block, stride_c_off,
+            seq, part, start, end, heads, gmask, direct,
             NUM_HEADS, BLOCK_G, HEAD_DIM, CACHE_BLOCK, BLOCK_N,
         )  # fmt: skip
         if REDUCE_LAST:
@@ -244,23 +244,21 @@ def _online_softmax_step(q, k, v, nmask, m_i, l_i, acc, qk_scale):
 
 @triton.jit
 def _attend_partition(
-    q, k0, v0, nmask0, kv_ptr, table_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-    num_parts, stride_ml, stride_o_seq, stride_o_head, stride_c_kv,
-    stride_c_block, stride_c_off, stride_c_head,
-    seq, kv_head, part, start, end, heads, gmask, direct,
+    q, k0, v0, nmask0, kv_head_ptr, table_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+    num_parts, stride_ml, stride_o_seq, stride_o_head, stride_c_kv, stride_c_block,
+    stride_c_off, seq, part, start, end, heads, gmask, direct,
     NUM_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Tokens [start, end) of one KV head against the (BLOCK_G, HEAD_DIM) query tile q of its
-    query heads, the first tile's keys and values given (k0, v0 at positions start + i where
-    nmask0): the normalized output (`direct`: this partition is the whole context), else the
-    partition's (m, l, acc) per query head."""
+    """Tokens [start, end) of one KV head (its keys at kv_head_ptr) against the (BLOCK_G,
+    HEAD_DIM) query tile q of its query heads, the first tile's keys and values given (k0, v0
+    at positions start + i where nmask0): the normalized output (`direct`: this partition is
+    the whole context), else the partition's (m, l, acc) per query head."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     m_i, l_i, acc = _online_softmax_step(q, k0, v0, nmask0, m_i, l_i, acc, qk_scale)
-    kv_head_ptr = kv_ptr + kv_head * stride_c_head
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
         nmask = n < end
