@@ -132,6 +132,9 @@ def _rank_main(rank: int, port: int, tasks: Any, results: Any) -> None:
                 if case == "collectives":
                     results.put((seq, rank, "ok", _collectives(tp)))
                     continue
+                if isinstance(case, tuple):  # ("row logits", Case)
+                    results.put((seq, rank, "ok", _row_logits(case[1].load(tp))))
+                    continue
                 loaded = case.load(tp)
                 spec = loaded.spec
                 logits, tokens = run_greedy(loaded)
@@ -156,6 +159,17 @@ def _collectives(tp: TensorParallel) -> tuple[list[float], list[float], list[flo
     gathered = tp.all_gather(mine.view(1, 2), dim=1)
     broadcast = tp.broadcast(mine.clone(), src=1)
     return reduced.tolist(), gathered.view(-1).tolist(), broadcast.tolist()
+
+
+@torch.inference_mode()
+def _row_logits(loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's logits, returned and written into a given `out` (a decode graph's buffer:
+    the ranks' columns gathered in place there)."""
+    hidden = torch.randn(1, loaded.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    model = loaded.model
+    out = torch.full((1, loaded.spec.vocab_size), float("nan"))
+    assert model.compute_logits(hidden, out=out) is out
+    return model.compute_logits(hidden), out
 
 
 class RankPool:
@@ -312,10 +326,10 @@ def test_stacked_expert_checkpoint(ranks: RankPool, make_checkpoint_module, tmp_
 
 
 def _config(model_type: str, heads: int, kv_heads: int, **extra: Any) -> dict[str, Any]:
+    extra.setdefault("vocab_size", 301)
     return dict(
         model_type=model_type,
         architectures=[{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
-        vocab_size=301,
         hidden_size=16 * heads,
         head_dim=16,
         intermediate_size=100,
@@ -325,6 +339,15 @@ def _config(model_type: str, heads: int, kv_heads: int, **extra: Any) -> dict[st
         max_position_embeddings=128,
         **extra,
     )
+
+
+@pytest.mark.parametrize("vocab", [300, 301])  # even: gathered in place; odd: padded parts
+def test_one_row_logits_into_a_given_buffer(ranks: RankPool, vocab: int) -> None:
+    case = Case(config=_config("llama", 4, 2, vocab_size=vocab, tie_word_embeddings=False))
+    ref, _ = _row_logits(case.load())
+    for returned, into in ranks.run(("row logits", case)):
+        assert_logits_close(returned, ref)
+        assert torch.equal(into, returned)
 
 
 def test_uneven_gqa_random_model(ranks: RankPool) -> None:

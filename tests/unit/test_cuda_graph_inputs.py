@@ -115,6 +115,18 @@ def test_views_alias_the_buffers_and_copy_takes_the_table_prefix():
     assert dev.block_tables(8)[2:].abs().sum().item() == 0  # rows past the batch not copied
 
 
+def test_copy_keeps_the_token_ids_already_on_the_device():
+    host, dev = _buffers(), _buffers()
+    dev.token_ids(4).copy_(torch.tensor([70, 71, 72, 73]))  # stale: rows 2, 3 become padding
+    host.fill([0, 0], [1, 6], [[2], [0, 3]], 4)  # the step's tokens are not known here
+    dev.token_ids(2).copy_(torch.tensor([40, 41]))  # ... but already on the device
+    dev.copy_from(host, 4, keep_ids=2)
+    assert dev.token_ids(4).tolist() == [40, 41, 0, 0]  # padding rows get token 0
+    assert dev.positions(2).tolist() == [1, 6]
+    assert dev.slot_mapping(4).tolist() == [9, 14, -1, -1]
+    assert dev.seq_lens(2).tolist() == [2, 7]
+
+
 def test_fill_rejects_what_does_not_fit():
     bufs = _buffers()
     assert not bufs.fits([0] * 9, [[0]] * 9)

@@ -40,12 +40,23 @@ from llmfleet.engine.sampler import Sampler, SamplingRow, device_only, small_ten
 from llmfleet.engine.scheduler import Scheduler
 from llmfleet.engine.structured import MaskFiller, start_ahead_mask
 
+_readback_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def readback_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that copies sampled tokens to the host (one per device)."""
+    stream = _readback_streams.get(device)
+    if stream is None:
+        stream = _readback_streams[device] = torch.cuda.Stream(device)
+    return stream
+
 
 class InFlight:
     """A decode step launched whose sampled tokens are still on the device; their copy to
-    the host is queued right behind the step, so reading them back waits for this step
+    the host is queued right behind the sampling, so reading them back waits for this step
     alone (`.tolist()` on the device tensor would wait for everything queued after it too,
-    the next step included)."""
+    the next step included). The copy runs on a side stream (`readback_stream`): the next
+    step, queued behind the sampling on the compute stream, does not wait for it."""
 
     def __init__(self, requests: list[Request], token_ids: torch.Tensor) -> None:
         self.requests = requests  # row i's sequence
@@ -53,9 +64,13 @@ class InFlight:
         self._copied: torch.cuda.Event | None = None
         if token_ids.device.type == "cuda":
             self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host.copy_(token_ids, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            side = readback_stream(token_ids.device)
+            side.wait_stream(torch.cuda.current_stream(token_ids.device))
+            with torch.cuda.stream(side):
+                self._host.copy_(token_ids, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record(side)
+            token_ids.record_stream(side)  # its memory outlives the copy
         else:
             self._host = token_ids
 

@@ -19,9 +19,11 @@ Static buffers (`DecodeBuffers`; one pinned host copy, one device copy that the 
     i64 (3, max_B):  row 0 token ids | row 1 positions | row 2 slots       (row r[:B] contiguous)
     i32 flat:        [ seq_lens (max_B) | block_tables (max_B, max_blocks_per_seq) row-major ]
 
-A step fills the host copy, copies i64 whole and the i32 prefix that holds B table rows, and
-replays. Table columns past a sequence's last block keep stale ids; the kernels never read
-them (a sequence of length L reads columns < ceil(L / block_size)).
+Both live in one byte buffer (i64 first). A step fills the host copy, copies in one piece i64
+(from the first padding row's token id on when the tokens are already on the device) and the
+i32 prefix that holds B table rows, and replays. Table columns past a sequence's last block
+keep stale ids; the kernels never read them (a sequence of length L reads columns
+< ceil(L / block_size)).
 
 Graph-safe attention: inside a graph the host-side bounds the launchers size their grids with
 cannot follow the batch, so the captured metadata carries the static bound `max_model_len` as
@@ -38,7 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,11 +89,17 @@ class DecodeBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         n, w = max_batch_size, max_blocks_per_seq
-        self.i64 = torch.zeros((3, n), dtype=torch.int64, device=device, pin_memory=pin_memory)
-        self.i32 = torch.zeros(n + n * w, dtype=torch.int32, device=device, pin_memory=pin_memory)
+        # One byte buffer, so that a step's inputs cross in one copy: i64 then i32.
+        self.raw = torch.zeros(
+            24 * n + 4 * (n + n * w), dtype=torch.uint8, device=device, pin_memory=pin_memory
+        )
+        self.i64 = self.raw[: 24 * n].view(torch.int64).view(3, n)
+        self.i32 = self.raw[24 * n :].view(torch.int32)
         self.i64[2].fill_(-1)
         self.i32[:n].fill_(1)
         self._tables = self.i32[n:].view(n, w)
+        # The decode rows' query starts (0, 1, ..., n): fixed, so no graph computes them.
+        self._starts = torch.arange(n + 1, dtype=torch.int32, device=device)
         if self.i64.device.type == "cpu":  # numpy views: list -> buffer without torch overhead
             self._i64_np = self.i64.numpy()
             self._seq_np = self.i32[:n].numpy()
@@ -159,11 +167,13 @@ class DecodeBuffers:
         tables[n:batch_size, 0] = 0
         written[n:batch_size] = [(None, 0)] * (batch_size - n)
 
-    def copy_from(self, host: DecodeBuffers, batch_size: int) -> None:
-        """Device buffers: take the first `batch_size` rows of `host` (asynchronously)."""
-        self.i64.copy_(host.i64, non_blocking=True)
-        end = self.max_batch_size + batch_size * self.max_blocks_per_seq
-        self.i32[:end].copy_(host.i32[:end], non_blocking=True)
+    def copy_from(self, host: DecodeBuffers, batch_size: int, *, keep_ids: int = 0) -> None:
+        """Device buffers: take the first `batch_size` rows of `host` (asynchronously, one
+        copy), except the first `keep_ids` token ids (they come from the device)."""
+        n = self.max_batch_size
+        start = 8 * keep_ids
+        end = 24 * n + 4 * (n + batch_size * self.max_blocks_per_seq)
+        self.raw[start:end].copy_(host.raw[start:end], non_blocking=True)
 
     def metadata(self, b: int, max_seq_len: int) -> AttentionMetadata:
         """Decode metadata over the first `b` rows; host-side lengths are the static bound
@@ -171,7 +181,7 @@ class DecodeBuffers:
         return AttentionMetadata(
             num_seqs=b,
             num_tokens=b,
-            query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=self.i64.device),
+            query_start_loc=self._starts[: b + 1],
             seq_lens=self.seq_lens(b),
             block_tables=self.block_tables(b),
             slot_mapping=self.slot_mapping(b),
@@ -189,6 +199,8 @@ class PaddedDecoder:
 
     Owns the static buffers; `run` is the only thing that writes them. One thread uses an
     instance (the engine's), and the logits `run` returns stay valid until its next call.
+    On CUDA the host rows cross on a side stream, after the previous step has read the
+    buffers; the caller's stream waits for them before the step.
     """
 
     def __init__(
@@ -221,6 +233,11 @@ class PaddedDecoder:
         self.num_replays = 0  # decode steps run through `run`
         # Host buffers may be refilled once the previous step's copies have passed this.
         self._copied = torch.cuda.Event() if on_cuda else None
+        # The copies run on a side stream once the last step has read the static buffers
+        # (`_replayed`), so they overlap that step's end (its output head, the sampling)
+        # instead of following it on the compute stream.
+        self._side = torch.cuda.Stream(self.device) if on_cuda else None
+        self._replayed = torch.cuda.Event() if on_cuda else None
 
     def _forward(self, b: int) -> None:
         meta = self.static.metadata(b, self.max_model_len)
@@ -246,34 +263,61 @@ class PaddedDecoder:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         b: int,
+        *,
+        keep_ids: int = 0,
     ) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
+        if self._side is None:
+            self.host.fill(token_ids, positions, block_tables, b)
+            self.static.copy_from(self.host, b, keep_ids=keep_ids)
+            return
+        self._copied.synchronize()
         self.host.fill(token_ids, positions, block_tables, b)
-        self.static.copy_from(self.host, b)
-        if self._copied is not None:
+        self._side.wait_event(self._replayed)
+        with torch.cuda.stream(self._side):
+            self.static.copy_from(self.host, b, keep_ids=keep_ids)
             self._copied.record()
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def _read(self, b: int) -> None:
+        """Run the step of padded size b over the static buffers (the copies may follow)."""
+        self._launch(b)
+        if self._replayed is not None:
+            self._replayed.record()
+
+    def token_ids(self, n: int) -> torch.Tensor:
+        """The static buffer's token ids of a batch of n (int64 on the device): `run` takes
+        this view itself as token ids already in place."""
+        return self.static.token_ids(n)
 
     def run(
         self,
         token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        share: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # (n, V) float32, a view of the static logits
         """One decode step (the caller checked `fits`): fill, copy, launch.
 
         `token_ids` may be an int64 tensor on the device (the previous step's samples, not
         read back yet): it is copied into the static buffer on the stream, after the host
-        rows, so the step can be launched before those tokens are known on the host."""
+        rows, so the step can be launched before those tokens are known on the host; the
+        static view itself (`token_ids(n)`) is used in place. `share` is then called with
+        the static view before the launch (tensor parallelism: rank 0's tokens broadcast
+        into the followers' views, which `share` fills)."""
         n = len(token_ids)
         b = padded_size(n, self.sizes)
         if b is None:
             raise ValueError(f"no padded size for a batch of {n}")
         on_device = isinstance(token_ids, torch.Tensor)
-        self._stage([0] * n if on_device else token_ids, positions, block_tables, b)
+        ids = [0] * n if on_device else token_ids
+        self._stage(ids, positions, block_tables, b, keep_ids=n if on_device else 0)
         if on_device:
-            self.static.token_ids(n).copy_(token_ids)
-        self._launch(b)
+            view = self.static.token_ids(n)
+            if token_ids.data_ptr() != view.data_ptr():
+                view.copy_(token_ids)
+            if share is not None:
+                share(view)
+        self._read(b)
         self.num_replays += 1
         return self.logits[:n]
 

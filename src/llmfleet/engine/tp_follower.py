@@ -97,11 +97,12 @@ def replay(runner: ModelRunner, channel: StepChannel, step: DecodeInputs) -> Non
     """Rank 0's decode step through this rank's graph of the same padded size."""
     if runner.decode_graphs is None:
         raise RuntimeError("a DECODE op reached a rank that captured no decode graphs")
-    token_ids: list[int] | torch.Tensor | None = step.token_ids
-    if token_ids is None:  # rank 0's device tensor, broadcast behind the op
-        token_ids = torch.empty(len(step.positions), dtype=torch.int64, device=runner.device)
-        channel.broadcast(token_ids)
-    runner.decode_graphs.run(token_ids, step.positions, step.block_tables)
+    graphs = runner.decode_graphs
+    if step.token_ids is not None:
+        graphs.run(step.token_ids, step.positions, step.block_tables)
+    else:  # rank 0's device tensor, broadcast behind the op into the graph's input
+        ids = graphs.token_ids(len(step.positions))
+        graphs.run(ids, step.positions, step.block_tables, channel.broadcast)
 
 
 def watch_parent(parent: int) -> None:

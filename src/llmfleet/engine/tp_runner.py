@@ -7,7 +7,8 @@ CUDA graphs: every rank captures its decode graphs at once (CAPTURE), each with 
 collectives inside, and a pure-decode step that fits them is one DECODE op: every rank replays
 its graph of the same padded size, so the collectives of the replays meet. Under async
 scheduling the step's token ids are still on rank 0's device: they follow as a broadcast on
-the stream, behind the step that samples them, and no rank waits for the host.
+the stream, behind the step that samples them, from rank 0's graph input straight into the
+followers' (`PaddedDecoder.run`'s `share`), and no rank waits for the host.
 
 KV payloads hold every KV head in global order whatever the TP size: `read_blocks` gathers
 the heads of all ranks (a head replicated on several ranks is taken once), `write_blocks`
@@ -77,9 +78,8 @@ class TPModelRunner(ModelRunner):
         on_device = isinstance(token_ids, torch.Tensor)
         counts, body = encode_decode(positions, tables, None if on_device else list(token_ids))
         self.ranks.send(DECODE, counts, body)
-        if on_device:
-            self.ranks.channel.broadcast(token_ids.to(torch.int64).contiguous())
-        logits = graphs.run(token_ids, positions, tables)
+        share = self.ranks.channel.broadcast if on_device else None
+        logits = graphs.run(token_ids, positions, tables, share)
         self.ranks.done()
         return logits
 

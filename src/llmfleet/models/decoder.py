@@ -210,13 +210,20 @@ class DecoderForCausalLM(CausalLM):
         self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:  # (N, hidden) -> (N, V) float32 on every rank
         n, vocab, size = hidden.shape[0], int(self.config.vocab_size), self.tp.size
+        width = -(-vocab // size)  # all_gather needs one shape: pad each rank's columns to it
+        if n == 1 and out is not None and width * size == vocab and out.is_contiguous():
+            # One row: the ranks' columns lie in `out` in rank order, so this rank's land in
+            # its place and the gather runs in place, with no copy after it.
+            ranks = out.view(size, 1, width)
+            linear(hidden, weight, out=ranks[self.tp.rank])
+            self.tp.all_gather_into(ranks)
+            return out
         if hidden.dtype == torch.float32:
             local = linear(hidden, weight)  # (N, V_rank)
         else:
             local = linear(
                 hidden, weight, out=hidden.new_empty((n, weight.shape[0]), dtype=torch.float32)
             )
-        width = -(-vocab // size)  # all_gather needs one shape: pad each rank's columns to it
         if local.shape[1] < width:
             local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
         full = self.tp.all_gather(local, dim=1)  # (N, size * width)

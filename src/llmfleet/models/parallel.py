@@ -59,6 +59,17 @@ class TensorParallel:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_gather_into(self, parts: torch.Tensor) -> torch.Tensor:
+        """In place: `parts` (size, ...) holds this rank's part at index `rank`; afterwards
+        every rank's, in rank order. Returns `parts`."""
+        if self.size > 1:
+            if parts.is_cuda:
+                dist.all_gather_into_tensor(parts, parts[self.rank], group=self.group)
+            else:
+                every = [parts[r] for r in range(self.size)]
+                dist.all_gather(every, parts[self.rank].clone(), group=self.group)
+        return parts
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `t` with group rank `src`'s `t`, in place; returns `t`."""
         if self.size > 1:
