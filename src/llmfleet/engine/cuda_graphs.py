@@ -278,12 +278,6 @@ class PaddedDecoder:
             self._copied.record()
         torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _read(self, b: int) -> None:
-        """Run the step of padded size b over the static buffers (the copies may follow)."""
-        self._launch(b)
-        if self._replayed is not None:
-            self._replayed.record()
-
     def token_ids(self, n: int) -> torch.Tensor:
         """The static buffer's token ids of a batch of n (int64 on the device): `run` takes
         this view itself as token ids already in place."""
@@ -317,7 +311,9 @@ class PaddedDecoder:
                 view.copy_(token_ids)
             if share is not None:
                 share(view)
-        self._read(b)
+        self._launch(b)
+        if self._replayed is not None:  # the next step's copies may follow
+            self._replayed.record()
         self.num_replays += 1
         return self.logits[:n]
 
