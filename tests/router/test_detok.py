@@ -4,12 +4,14 @@ the event loop in one request, and a broken stream failing only the sequences it
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 from fakes import FakeTokenizer
 from harness import run
 
+from llmfleet.services.router import detok as detok_module
 from llmfleet.services.router.detok import Detokenizer, DetokSequence
 from llmfleet.shared.core.sampling_params import SamplingParams
 from llmfleet.shared.wire.service import Unavailable
@@ -81,17 +83,34 @@ def test_a_broken_stream_fails_its_sequences_and_the_next_open_starts_anew():
         await fakes[0].stop()  # the tokenizer goes away: the stream breaks
         with pytest.raises(Unavailable, match="^tokenizer: "):
             await old.feed(list(b"more"), False)
-        fakes.append(FakeTokenizer())  # and comes back on the same port
-        await fakes[-1].start(port)
-        # Opened while the channel still backs off from the failed connection, the new stream
-        # would fail at once: a test on a busy machine waits for the reconnection.
-        await asyncio.wait_for(channel.channel_ready(), 30)
+        # A sequence opened while the tokenizer is still away (as while a supervisor restarts
+        # it): its stream waits for the tokenizer to be back instead of failing at once.
         new = DetokSequence(detok)
         new.open([], SamplingParams())
+        fresh = asyncio.ensure_future(new.feed(list(b"fresh"), True))
+        await asyncio.sleep(0.3)
+        assert not fresh.done()
+        fakes.append(FakeTokenizer())  # and comes back on the same port
+        await fakes[-1].start(port)
+        assert await asyncio.wait_for(fresh, 30) == ("fresh", "", 5)
         with pytest.raises(Unavailable):  # the old sequence stays lost
             await old.feed(list(b"again"), False)
-        assert await new.feed(list(b"fresh"), True) == ("fresh", "", 5)
         old.close()
         assert detok.num_sequences_lost == 0
+
+    run(_with_tokenizer(body))
+
+
+def test_a_stream_waits_a_bounded_time_for_an_unreachable_tokenizer(monkeypatch):
+    monkeypatch.setattr(detok_module, "CONNECT_TIMEOUT_S", 0.5)
+
+    async def body(fakes, detok, channel):
+        await fakes[0].stop()  # gone before the stream opens, and not coming back
+        seq = DetokSequence(detok)
+        seq.open([], SamplingParams())
+        start = time.monotonic()
+        with pytest.raises(Unavailable, match="not reachable within 0.5 s"):
+            await seq.feed(list(b"hi"), False)
+        assert 0.4 < time.monotonic() - start < 10
 
     run(_with_tokenizer(body))

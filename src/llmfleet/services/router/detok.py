@@ -14,9 +14,10 @@ order on the stream, so the answers are matched to the waiting feeds first in, f
 Coalescing: what is opened, fed and closed in one turn of the event loop goes out as one request
 (a flush scheduled with `call_soon`). A worker's `TokenBatch` wakes the tasks of all its
 requests in one turn, so one engine step costs the router one detokenize round trip, not one per
-completion. The stream is opened on first use; if it breaks, every feed waiting on it and every
-sequence opened on it fails with `Unavailable` (those requests end), and the next open starts a
-new stream.
+completion. The stream is opened on first use, waiting for the tokenizer to be reachable
+(`CONNECT_TIMEOUT_S`: a restarted tokenizer is waited for, not failed on); if it breaks, every
+feed waiting on it and every sequence opened on it fails with `Unavailable` (those requests
+end), and the next open starts a new stream.
 
 Each completion has a `detokenize` span (child of its request's `llm_request`) from open to
 close, with the number of tokens fed and whether a stop string matched.
@@ -44,13 +45,19 @@ tracer = trace.get_tracer(__name__)
 
 Answer = asyncio.Future  # of a tokenizer_pb2.DetokenizedText
 
+# How long a new stream waits for the tokenizer to be reachable. A channel that lost its
+# tokenizer backs off before reconnecting, and a call started then would fail at once even
+# though a restarted tokenizer (the supervisor's, within seconds) is serving again; so a
+# stream waits for the channel to be ready, this long at most, then fails its feeds.
+CONNECT_TIMEOUT_S = 10.0
+
 
 class _Stream:
     """One open Detokenize call: a writer task sends queued requests in order, a reader task
     hands each response's texts to the feeds of the oldest request still unanswered."""
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, on_broken: Any) -> None:
-        self.call = stub.Detokenize()
+        self.call = stub.Detokenize(wait_for_ready=True)
         self.outbox: asyncio.Queue[tuple[tokenizer_pb2.DetokenizeRequest, list[Answer]]] = (
             asyncio.Queue()
         )
@@ -60,6 +67,7 @@ class _Stream:
 
     async def _write(self) -> None:
         try:
+            await asyncio.wait_for(self.call.wait_for_connection(), CONNECT_TIMEOUT_S)
             while True:
                 request, answers = await self.outbox.get()
                 if answers:
@@ -67,6 +75,8 @@ class _Stream:
                 await self.call.write(request)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             self._on_broken(self, f"detokenize failed: {exc}")
+        except TimeoutError:
+            self._on_broken(self, f"not reachable within {CONNECT_TIMEOUT_S:g} s")
 
     async def _read(self) -> None:
         try:

@@ -84,8 +84,8 @@ async def prompt_token_ids(
         else tokenizer_pb2.TokenizeRequest(chat=req.chat, max_num_tokens=limit)
     )
     try:
-        resp = await tokenizer.Tokenize(
-            tok_req, timeout=CONTROL_TIMEOUT_S, metadata=metadata(trace)
+        resp = await tokenizer.Tokenize(  # waits out a reconnection, within the timeout
+            tok_req, timeout=CONTROL_TIMEOUT_S, metadata=metadata(trace), wait_for_ready=True
         )
     except grpc.aio.AioRpcError as exc:
         if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:

@@ -38,9 +38,22 @@ def server_options(max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+# A channel that lost its peer reconnects after a backoff that grows with each failed try
+# (gRPC's default: from 1 s up to 120 s). Between services a peer that went away is mostly one
+# being restarted, so the backoff stays short: a restarted service is reached again within
+# about 2 s, inside the waits of the calls that wait for it (wait_for_ready with a bound).
+RECONNECT_BACKOFF_MS = (200, 2000)  # initial, max
+
+
 def channel_options() -> list[tuple[str, int]]:
     """Options of a channel between llmfleet services (internal hops)."""
-    return server_options(INTERNAL_MAX_MESSAGE_BYTES)
+    initial, most = RECONNECT_BACKOFF_MS
+    return [
+        *server_options(INTERNAL_MAX_MESSAGE_BYTES),
+        ("grpc.initial_reconnect_backoff_ms", initial),
+        ("grpc.min_reconnect_backoff_ms", initial),
+        ("grpc.max_reconnect_backoff_ms", most),
+    ]
 
 
 def pushback_metadata(retry_after_s: float) -> tuple[tuple[str, str], ...]:
