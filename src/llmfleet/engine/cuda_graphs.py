@@ -266,22 +266,17 @@ class PaddedDecoder:
         *,
         keep_ids: int = 0,
     ) -> None:
-        if self._side is None:
-            self.host.fill(token_ids, positions, block_tables, b)
+        if self._copied is not None:  # the host buffers' previous copy has run
+            self._copied.synchronize()
+        self.host.fill(token_ids, positions, block_tables, b)
+        if self._side is None:  # (CPU)
             self.static.copy_from(self.host, b, keep_ids=keep_ids)
             return
-        self._copied.synchronize()
-        self.host.fill(token_ids, positions, block_tables, b)
         self._side.wait_event(self._replayed)
         with torch.cuda.stream(self._side):
             self.static.copy_from(self.host, b, keep_ids=keep_ids)
             self._copied.record()
         torch.cuda.current_stream(self.device).wait_stream(self._side)
-
-    def token_ids(self, n: int) -> torch.Tensor:
-        """The static buffer's token ids of a batch of n (int64 on the device): `run` takes
-        this view itself as token ids already in place."""
-        return self.static.token_ids(n)
 
     def run(
         self,
@@ -295,9 +290,9 @@ class PaddedDecoder:
         `token_ids` may be an int64 tensor on the device (the previous step's samples, not
         read back yet): it is copied into the static buffer on the stream, after the host
         rows, so the step can be launched before those tokens are known on the host; the
-        static view itself (`token_ids(n)`) is used in place. `share` is then called with
-        the static view before the launch (tensor parallelism: rank 0's tokens broadcast
-        into the followers' views, which `share` fills)."""
+        static buffer's own view (`static.token_ids(n)`) is used in place. `share` is then
+        called with the static view before the launch (tensor parallelism: rank 0's tokens
+        broadcast into the followers' views, which `share` fills)."""
         n = len(token_ids)
         b = padded_size(n, self.sizes)
         if b is None:

@@ -101,7 +101,7 @@ def replay(runner: ModelRunner, channel: StepChannel, step: DecodeInputs) -> Non
     if step.token_ids is not None:
         graphs.run(step.token_ids, step.positions, step.block_tables)
     else:  # rank 0's device tensor, broadcast behind the op into the graph's input
-        ids = graphs.token_ids(len(step.positions))
+        ids = graphs.static.token_ids(len(step.positions))
         graphs.run(ids, step.positions, step.block_tables, channel.broadcast)
 
 
