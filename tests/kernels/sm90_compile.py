@@ -74,6 +74,7 @@ def all_reduce_cases():
                     NORM=norm,
                     PUSHED=pushed,
                     PDL=True,
+                    EARLY=pushed,  # (a parameter's norm weight, read before the wait)
                 ),  # fmt: skip
                 16,
             )

@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llmfleet.kernels.rms_norm import rms_norm_ref
-from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl, pdl_start
+from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl
 
 MAX_ROWS = 64  # rows a call may have
 ROW_BYTES = 32 << 10  # bytes a row may have: hidden 8192 in float32, 16384 in 16 bits
@@ -119,7 +120,7 @@ def push_slice(
     cols,
     mask,
     data_ptrs,  # int64 (WORLD,): every rank's data buffer
-    seq_ptr,  # int32 (MAX_ROWS,): this rank's call numbers per row
+    call,  # the number of the call that will sum this row: seq[0] + 1 (`next_call`)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     ROW_ELEMS: tl.constexpr,
@@ -129,11 +130,18 @@ def push_slice(
 ):
     """A one-row projection's epilogue (kernels/gemv.py): send these columns of its result to
     the peers as the next all-reduce call on row 0 will (the call then runs with PUSHED and
-    only waits for theirs). That call's number is seq[0] + 1: the kernel that takes it has not
-    started (stream order), and the previous call on row 0 has ended."""
-    seq = tl.load(seq_ptr) + 1
+    only waits for theirs)."""
     bits = _as_sent(values, False, EMPTY, STANDIN)
-    _send(bits, cols, mask, _cell(seq, 0, MAX_ROWS), data_ptrs, RANK, WORLD, ROW_ELEMS)
+    _send(bits, cols, mask, _cell(call, 0, MAX_ROWS), data_ptrs, RANK, WORLD, ROW_ELEMS)
+
+
+@triton.jit
+def next_call(seq_ptr):
+    """The number the next all-reduce call on row 0 will take: seq[0] + 1. A pushing GEMV
+    reads it after its PDL wait (the previous call on row 0 has ended, and the call that
+    takes the number has not started: stream order), at its start, so that the load's
+    round trip does not delay its push."""
+    return tl.load(seq_ptr) + 1
 
 
 @triton.jit
@@ -161,42 +169,62 @@ def _all_reduce_kernel(
     NORM: tl.constexpr,
     PUSHED: tl.constexpr,  # x's one row is already in the peers' buffers (push_slice)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    EARLY: tl.constexpr,  # NORM: w is not written in this kernel chain: read it before the wait
 ):
-    pdl_start(PDL)
+    # Every load that does not wait on another is issued at once, so the call costs about one
+    # round trip to memory after the kernel before it ends: x, the row's call number, the
+    # residual, and the peers' cells of both slots, read before the number is known (it then
+    # picks one; the other may hold a peer's row of the next call, which is not used). This
+    # rank's buffer address (written when the group was made) and a parameter's norm weight
+    # come before the wait.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = x_ptr.dtype.element_ty
+    if PDL:
+        gdc_launch_dependents()
+    if WIDE:  # this rank's buffer, as the rows' integers
+        mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(tl.int32))
+    else:
+        mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(tl.int16))
+    if NORM and EARLY:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    if NORM and not EARLY:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
-    bits = _as_sent(x, WIDE, EMPTY, STANDIN)
     seq = tl.load(seq_ptr + row) + 1
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
+    bits = _as_sent(x, WIDE, EMPTY, STANDIN)
     tl.debug_barrier()  # every thread has read the old number before it is replaced
     tl.store(seq_ptr + row, seq)
     cell = _cell(seq, row, MAX_ROWS)
     if not PUSHED:  # else the GEMV that computed x has written it to the peers (push_slice)
         _send(bits, cols, mask, cell, data_ptrs, RANK, WORLD, ROW_ELEMS)
-    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(bits.dtype))
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for p in tl.static_range(WORLD):
         if p == RANK:
             acc += bits.to(dtype, bitcast=True).to(tl.float32)
         else:  # the peer's row as it lands in this rank's memory (volatile: past a stale L1)
+            even = mine + (row * WORLD + p) * ROW_ELEMS + cols  # its cell in slot 0
+            v0 = tl.load(even, mask=mask, other=0, volatile=True)
+            v1 = tl.load(even + MAX_ROWS * WORLD * ROW_ELEMS, mask=mask, other=0, volatile=True)
+            v = tl.where((seq & 1) == 1, v1, v0)
             at = mine + (cell * WORLD + p) * ROW_ELEMS + cols
-            v = tl.load(at, mask=mask, other=0, volatile=True)
             while tl.max((v == EMPTY).to(tl.int32), axis=0) > 0:
                 v = tl.load(at, mask=mask, other=0, volatile=True)
             tl.store(at, tl.full((BLOCK,), EMPTY, v.dtype), mask=mask)  # for its next use
             acc += v.to(dtype, bitcast=True).to(tl.float32)
     s = acc.to(dtype)  # the sum as NCCL would return it
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
     out_row = out_ptr + row.to(tl.int64) * H + cols
     if NORM:
         tl.store(sum_ptr + row.to(tl.int64) * H + cols, s, mask=mask)
         v = s.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_row, (v * rstd * w).to(dtype), mask=mask)
     else:
         tl.store(out_row, s, mask=mask)
@@ -316,6 +344,7 @@ def launch(
         ROW_ELEMS=ROW_BYTES // x.element_size(), MAX_ROWS=MAX_ROWS,
         WIDE=x.element_size() == 4, EMPTY=empty, STANDIN=standin,
         HAS_RESIDUAL=residual is not None, NORM=norm, PUSHED=pushed, PDL=chained,
+        EARLY=isinstance(weight, torch.nn.Parameter),
         num_warps=min(max(block // 256, 1), 16), launch_pdl=chained,
     )  # fmt: skip
     return (out, total) if norm else out

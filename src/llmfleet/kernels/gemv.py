@@ -36,7 +36,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llmfleet.kernels.all_reduce import EMPTY, MAX_ROWS, ROW_BYTES, PeerState, push_slice
+from llmfleet.kernels.all_reduce import (
+    EMPTY,
+    MAX_ROWS,
+    ROW_BYTES,
+    PeerState,
+    next_call,
+    push_slice,
+)
 from llmfleet.kernels.silu_and_mul import silu_mul_rounded
 from llmfleet.kernels.triton_utils import check_last_dim_contiguous, launchable, pdl
 from llmfleet.kernels.tuned_configs import TunedConfigs
@@ -115,6 +122,8 @@ def _gemv_kernel(
     if PDL:
         if EARLY:
             gdc_wait()
+    if PUSH:
+        call = next_call(seq_ptr)
     xk = _x_tile(x_ptr, 0, K, offs_k, EVEN_K)
     acc = w.to(tl.float32) * xk[None, :]
     acc_up = u.to(tl.float32) * xk[None, :]  # (unused unless GATED)
@@ -139,7 +148,7 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_n, y, mask=n_ok)
     if PUSH:
         push_slice(
-            y, offs_n, n_ok, data_ptrs, seq_ptr, RANK, WORLD, ROW_ELEMS, MAX_ROWS, EMPTY, STANDIN
+            y, offs_n, n_ok, data_ptrs, call, RANK, WORLD, ROW_ELEMS, MAX_ROWS, EMPTY, STANDIN
         )
 
 
