@@ -42,8 +42,9 @@ every later call).
 Why two slots are enough: a peer rewrites a slot-s cell only at the call after next on that
 row, and to get there it must pass the next call on that row, which needs this rank's row of
 that call, which this rank sends only after the current call has ended (stream order; under PDL
-no program touches memory before the kernel before it has ended: a pushing GEMV reads only its
-weight before that wait), and with it the refill of the cell. Every rank runs the same calls
+no program touches memory before the kernel before it has ended, except to read what no kernel
+writes: a GEMV its weight, this kernel its buffer's address and a parameter's norm weight), and
+with it the refill of the cell. Every rank runs the same calls
 with the same row counts (tensor parallelism requires it), so the per-row numbers agree across
 ranks whether a call is eager or inside a CUDA graph; equality with a wrapping int32 needs no
 reset. A rank that stops answering leaves its peers waiting, as NCCL does; NCCL's watchdog on
