@@ -28,6 +28,7 @@ Who mutates what: `launch` allocates the pending token's slot and advances
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,15 +41,11 @@ from llmfleet.engine.sampler import Sampler, SamplingRow, device_only, small_ten
 from llmfleet.engine.scheduler import Scheduler
 from llmfleet.engine.structured import MaskFiller, start_ahead_mask
 
-_readback_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-
+@functools.cache
 def readback_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream that copies sampled tokens to the host (one per device)."""
-    stream = _readback_streams.get(device)
-    if stream is None:
-        stream = _readback_streams[device] = torch.cuda.Stream(device)
-    return stream
+    return torch.cuda.Stream(device)
 
 
 class InFlight:

@@ -170,9 +170,9 @@ class DecodeBuffers:
     def copy_from(self, host: DecodeBuffers, batch_size: int, *, keep_ids: int = 0) -> None:
         """Device buffers: take the first `batch_size` rows of `host` (asynchronously, one
         copy), except the first `keep_ids` token ids (they come from the device)."""
-        n = self.max_batch_size
-        start = 8 * keep_ids
-        end = 24 * n + 4 * (n + batch_size * self.max_blocks_per_seq)
+        start = self.i64.element_size() * keep_ids  # (row 0 of i64 is the token ids)
+        end = self.i64.nbytes + self.i32[: self.max_batch_size].nbytes
+        end += self._tables[:batch_size].nbytes
         self.raw[start:end].copy_(host.raw[start:end], non_blocking=True)
 
     def metadata(self, b: int, max_seq_len: int) -> AttentionMetadata:

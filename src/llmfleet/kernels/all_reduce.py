@@ -184,10 +184,7 @@ def _all_reduce_kernel(
     dtype = x_ptr.dtype.element_ty
     if PDL:
         gdc_launch_dependents()
-    if WIDE:  # this rank's buffer, as the rows' integers
-        mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    else:
-        mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(tl.int16))
+    my_buffer = tl.load(data_ptrs + RANK)  # (an address)
     if NORM and EARLY:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PDL:
@@ -199,6 +196,7 @@ def _all_reduce_kernel(
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
     bits = _as_sent(x, WIDE, EMPTY, STANDIN)
+    mine = my_buffer.to(tl.pointer_type(bits.dtype))
     tl.debug_barrier()  # every thread has read the old number before it is replaced
     tl.store(seq_ptr + row, seq)
     cell = _cell(seq, row, MAX_ROWS)
