@@ -174,8 +174,9 @@ def _all_reduce_kernel(
 ):
     # Every load that does not wait on another is issued at once, so the call costs about one
     # round trip to memory after the kernel before it ends: x, the row's call number, the
-    # residual, and the peers' cells of both slots, read before the number is known (it then
-    # picks one; the other may hold a peer's row of the next call, which is not used). This
+    # residual, and in a pushed call the peers' cells of both slots, read before the number is
+    # known (it then picks one; the other may hold a peer's row of the next call, which is not
+    # used; an unpushed call sends its row first, so its first read is after the send). This
     # rank's buffer address (written when the group was made) and a parameter's norm weight
     # come before the wait.
     row = tl.program_id(0)
@@ -207,11 +208,14 @@ def _all_reduce_kernel(
         if p == RANK:
             acc += bits.to(dtype, bitcast=True).to(tl.float32)
         else:  # the peer's row as it lands in this rank's memory (volatile: past a stale L1)
-            even = mine + (row * WORLD + p) * ROW_ELEMS + cols  # its cell in slot 0
-            v0 = tl.load(even, mask=mask, other=0, volatile=True)
-            v1 = tl.load(even + MAX_ROWS * WORLD * ROW_ELEMS, mask=mask, other=0, volatile=True)
-            v = tl.where((seq & 1) == 1, v1, v0)
             at = mine + (cell * WORLD + p) * ROW_ELEMS + cols
+            if PUSHED:  # both slots, read before the number is known
+                even = mine + (row * WORLD + p) * ROW_ELEMS + cols  # its cell in slot 0
+                v0 = tl.load(even, mask=mask, other=0, volatile=True)
+                v1 = tl.load(even + MAX_ROWS * WORLD * ROW_ELEMS, mask=mask, other=0, volatile=True)
+                v = tl.where((seq & 1) == 1, v1, v0)
+            else:  # the row is sent just above: it is rarely back at the first read
+                v = tl.load(at, mask=mask, other=0, volatile=True)
             while tl.max((v == EMPTY).to(tl.int32), axis=0) > 0:
                 v = tl.load(at, mask=mask, other=0, volatile=True)
             tl.store(at, tl.full((BLOCK,), EMPTY, v.dtype), mask=mask)  # for its next use
