@@ -126,10 +126,10 @@ def test_consecutive_calls_alternate_slots_and_a_wrapped_number_still_meets() ->
 
 
 def test_a_peers_row_of_the_next_call_in_the_other_slot_is_left_alone() -> None:
-    # A call reads the peers' cells of both slots before it knows its number. A peer that
-    # already has this rank's pushed row may have passed this call and written its row of the
-    # next one into the other slot: the call sums its own slot's, and leaves that row for the
-    # next call.
+    # A pushed call reads the peers' cells of both slots before it knows its number. A peer
+    # that already has this rank's pushed row may have passed this call and written its row of
+    # the next one into the other slot: the call sums its own slot's, and leaves that row for
+    # the next call.
     rows, hidden, dtype = 1, 64, torch.bfloat16 if torch.cuda.is_available() else torch.float16
     bufs = Buffers(0, 2)
     weight = torch.randn(hidden, device=DEVICE).to(dtype)
@@ -139,7 +139,7 @@ def test_a_peers_row_of_the_next_call_in_the_other_slot_is_left_alone() -> None:
         bufs.peers_ready(number, parts)
         bufs.peers_ready(number + 1, ahead)  # the other slot
         residual = torch.randn(rows, hidden, device=DEVICE).to(dtype)
-        normed, total = launch(bufs, parts[0].clone(), weight, 1e-6, residual)
+        normed, total = launch(bufs, parts[0].clone(), weight, 1e-6, residual, pushed=True)
         want_normed, want_total = all_reduce_ref(parts, weight, 1e-6, residual)
         assert torch.equal(total, want_total)
         assert rel_err(normed, want_normed) < 1e-2
